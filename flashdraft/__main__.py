@@ -1,0 +1,3 @@
+from flashdraft.cli import main
+
+raise SystemExit(main())

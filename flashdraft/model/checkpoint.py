@@ -1,0 +1,270 @@
+"""The drafter directory: `config.json` + `model.safetensors`, as z-lab's released drafters ship them.
+
+Fields and tensor names follow ../shared/reference/dflash.md §1.1 and §2 so that z-lab's reference code,
+SGLang and vLLM load a flashdraft directory as it is, and flashdraft loads theirs. Anything unknown or
+inconsistent is an error naming the field or tensor, never silently random weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig, Qwen3Config
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.spec import DFlashSpec, build_target_layer_ids, layer_kinds
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+# Rope types a Qwen3-style drafter can carry over from its target; others (e.g. multimodal mrope) fall
+# back to plain RoPE with the target's theta, which is what released Qwen3.5/3.6 drafters use (§2.1).
+_PORTABLE_ROPE_TYPES = {"default", "linear", "dynamic", "yarn", "longrope", "llama3"}
+
+
+def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
+    params = dict(getattr(target, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(target, "rope_theta", 10000.0))
+    if params.get("rope_type", "default") in _PORTABLE_ROPE_TYPES and "mrope_section" not in params:
+        params.pop("partial_rotary_factor", None)
+        params["rope_theta"] = theta
+        params.setdefault("rope_type", "default")
+        return params
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def make_drafter_config(
+    target: PretrainedConfig,
+    *,
+    num_layers: int = 5,
+    block_size: int = 16,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A new drafter config for `target` (its text config), with the paper's defaults."""
+    n_target = int(target.num_hidden_layers)
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(n_target, num_layers)
+    heads = int(target.num_attention_heads)
+    head_dim = getattr(target, "head_dim", None) or target.hidden_size // heads
+    if layer_types is not None and "sliding_attention" in layer_types and sliding_window is None:
+        raise FlashdraftError("drafter config: sliding_attention layers need a sliding_window")
+    config = Qwen3Config(
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        rms_norm_eps=getattr(target, "rms_norm_eps", 1e-6),
+        attention_bias=False,
+        vocab_size=target.vocab_size,
+        max_position_embeddings=getattr(target, "max_position_embeddings", 32768),
+        rope_parameters=_rope_parameters(target),
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=num_layers,
+        layer_types=layer_types or ["full_attention"] * num_layers,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(target, "bos_token_id", None),
+        eos_token_id=getattr(target, "eos_token_id", None),
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
+    config.block_size = block_size
+    config.num_target_layers = n_target
+    config.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)}
+    config.dtype = "bfloat16"
+    DFlashSpec.from_config(config)  # the same checks a loader applies
+    layer_kinds(config)
+    return config
+
+
+def check_against_target(config: PretrainedConfig, target: PretrainedConfig, source: str) -> None:
+    """The drafter must fit the target it is used with: width, depth, layer ids, vocabulary."""
+    spec = DFlashSpec.from_config(config, source)
+    n_target = int(target.num_hidden_layers)
+    if config.hidden_size != target.hidden_size:
+        raise FlashdraftError(f"{source}: 'hidden_size'={config.hidden_size} but the target's hidden size is {target.hidden_size}")
+    if spec.num_target_layers != n_target:
+        raise FlashdraftError(f"{source}: 'num_target_layers'={spec.num_target_layers} but the target has {n_target} layers")
+    bad = [i for i in spec.target_layer_ids if i >= n_target]
+    if bad:
+        raise FlashdraftError(f"{source}: 'dflash_config.target_layer_ids' has {bad}, beyond the target's {n_target} layers")
+    if not spec.mask_token_id < target.vocab_size:
+        raise FlashdraftError(f"{source}: 'dflash_config.mask_token_id'={spec.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
+
+
+def read_config(path: str | Path) -> Qwen3Config:
+    path = Path(path)
+    file = path / CONFIG_NAME
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise FlashdraftError(f"drafter {path}: no {CONFIG_NAME} (not a drafter directory)") from None
+    except json.JSONDecodeError as exc:
+        raise FlashdraftError(f"{file} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(data.get(name), int):
+            raise FlashdraftError(f"{file}: field '{name}' is missing or not an integer")
+    data.pop("model_type", None)
+    config = Qwen3Config(**{k: v for k, v in data.items() if k not in ("transformers_version",)})
+    DFlashSpec.from_config(config, str(file))
+    layer_kinds(config, str(file))
+    return config
+
+
+def load_drafter(
+    path: str | Path,
+    *,
+    target: PretrainedConfig | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDraftModel:
+    """Load a drafter directory (ours or z-lab's); every tensor must be present with the right shape."""
+    path = Path(path)
+    config = read_config(path)
+    if target is not None:
+        check_against_target(config, target, str(path / CONFIG_NAME))
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FlashdraftError(f"drafter {path}: no {WEIGHTS_NAME}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as exc:
+        raise FlashdraftError(f"{weights}: cannot read ({exc})") from None
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise FlashdraftError(f"{weights}: missing tensors {missing[:4]}{' …' if len(missing) > 4 else ''}")
+    if unexpected:
+        raise FlashdraftError(f"{weights}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}")
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            why = ""
+            if name == "fc.weight":
+                n_feat = len(DFlashSpec.from_config(config).target_layer_ids)
+                why = f" (= hidden_size x {n_feat} target_layer_ids x hidden_size; the target_layer_ids or hidden_size do not match the weights)"
+            raise FlashdraftError(f"{weights}: tensor '{name}' has shape {list(state[name].shape)}, expected {list(shape)}{why}")
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    model.rotary_emb = type(model.rotary_emb)(config).to(device)  # recompute inv_freq off the meta device
+    return model.to(dtype)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a fully written `tmp` into place; a reader sees the old or the new directory, never half of one."""
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def save_drafter(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write `config.json` + `model.safetensors` atomically (temporary directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        config = model.config.to_dict()
+        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+        for noise in ("transformers_version", "id2label", "label2id", "_name_or_path", "problem_type", "chunk_size_feed_forward"):
+            config.pop(noise, None)
+        rope = config.get("rope_parameters") or {}
+        # Engines on older transformers read the flat fields; keep both spellings in step.
+        config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+        if rope.get("rope_type", "default") == "default":
+            config["rope_scaling"] = None
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "flashdraft"})
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def resolve_mask_token_id(target_path: str | Path, target: PretrainedConfig, explicit: int | None) -> int:
+    """Explicit id, else the tokenizer's mask token or `<|MASK|>`, else the first embedding row past the
+    tokenizer's entries (Qwen3's 151669 convention, §1.6). Otherwise a clear error saying how to choose."""
+    vocab = int(target.vocab_size)
+    if explicit is not None:
+        if not 0 <= explicit < vocab:
+            raise FlashdraftError(f"--mask-token-id {explicit} is outside the target vocabulary (0..{vocab - 1})")
+        return explicit
+    tokenizer = None
+    if any((Path(target_path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target_path)
+        except (OSError, ValueError, TypeError) as exc:
+            raise FlashdraftError(f"target {target_path}: cannot load its tokenizer ({exc})") from None
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab:
+            return int(tokenizer.mask_token_id)
+        special = tokenizer.convert_tokens_to_ids("<|MASK|>")
+        if isinstance(special, int) and special != tokenizer.unk_token_id and 0 <= special < vocab:
+            return special
+        if len(tokenizer) < vocab:
+            return len(tokenizer)
+        raise FlashdraftError(
+            f"target {target_path}: its tokenizer fills all {vocab} embedding rows, so there is no free row for the "
+            "mask token; pass --mask-token-id with an id the model never generates (e.g. an unused special token)"
+        )
+    raise FlashdraftError(
+        f"target {target_path}: no tokenizer found to choose a mask token; pass --mask-token-id "
+        "(an embedding row the model never generates, e.g. the first id past the tokenizer's entries)"
+    )
+
+
+def init_drafter(
+    target_path: str | Path,
+    out: str | Path,
+    *,
+    num_layers: int = 5,
+    block_size: int = 16,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """`flashdraft init`: a new, randomly initialised drafter directory for a target."""
+    from flashdraft.model.target import load_target_config
+
+    target = load_target_config(target_path)
+    mask = resolve_mask_token_id(target_path, target, mask_token_id)
+    config = make_drafter_config(
+        target,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=mask,
+        target_layer_ids=target_layer_ids,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    model = DFlashDraftModel(config)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return save_drafter(model, out)

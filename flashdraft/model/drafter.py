@@ -1,0 +1,224 @@
+"""The DFlash drafter in plain single-device PyTorch (../shared/reference/dflash.md §1).
+
+A stack of Qwen3-style decoder layers whose queries come only from the block tokens, while keys and
+values are [fused target context ; block] ("KV injection", §1.5). The drafter owns no embedding and no
+LM head: callers embed the block with the target's embedding and decode with the target's head.
+Parallelism, compilation and sharding are applied from outside (flashdraft/distributed/parallelize.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from flashdraft.model.attention import BlockMask, LayerKind, attend
+from flashdraft.model.spec import DFlashSpec, layer_kinds
+
+Masks = dict[str, "Tensor | BlockMask"]
+"""Attention masks keyed by LayerKind.key; one per distinct layer kind, shared by its layers."""
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as Qwen3 does (bitwise-compatible with transformers)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [b, h, n, d]; cos/sin [b, n, d] (neox-style rotation, as vLLM/SGLang assume, §1.5)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, kind: LayerKind):
+        super().__init__()
+        self.kind = kind
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n_heads: int) -> Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, n_heads, self.head_dim)
+
+    def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """K (normed, rotated) and V [b, h_kv, n, d] of rows `x`; used for context and block rows alike."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx_k: Tensor,
+        ctx_v: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | BlockMask | None,
+    ) -> Tensor:
+        b, n, _ = x.shape
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.key_value(x, cos, sin)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        out = attend(q, k, v, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, kind: LayerKind):
+        super().__init__()
+        self.self_attn = DrafterAttention(config, kind)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        ctx_cos: Tensor,
+        ctx_sin: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | BlockMask | None,
+        past: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Returns the block's new hidden state and this layer's context K/V (past + new rows)."""
+        ctx_k, ctx_v = self.self_attn.key_value(ctx, ctx_cos, ctx_sin)
+        if past is not None:
+            ctx_k = torch.cat([past[0], ctx_k], dim=2)
+            ctx_v = torch.cat([past[1], ctx_v], dim=2)
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, (ctx_k, ctx_v)
+
+
+@dataclass
+class DraftCache:
+    """Per-layer K/V of the injected context only; block K/V are never stored (§4.1 step b, §8 item 6)."""
+
+    kv: list[tuple[Tensor, Tensor]] | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv is None else self.kv[0][0].shape[2]
+
+
+class DFlashDraftModel(nn.Module):
+    """Tensor names match z-lab's released checkpoints: layers.*, fc, hidden_norm, norm (§1.1)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.spec = DFlashSpec.from_config(config)
+        kinds = layer_kinds(config)
+        self.layers = nn.ModuleList(DrafterLayer(config, kind) for kind in kinds)
+        n_feat = len(self.spec.target_layer_ids)
+        self.fc = nn.Linear(n_feat * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)  # no weights; honours rope_parameters
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.spec.mask_token_id
+
+    def layer_kinds(self) -> list[LayerKind]:
+        return [layer.self_attn.kind for layer in self.layers]
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Qwen3-style init: normal(0, initializer_range) linears, unit norms."""
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                with torch.no_grad():
+                    module.weight.normal_(0.0, std, generator=generator)
+                    if module.bias is not None:
+                        module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def rope(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary_emb(like, positions)
+        return cos.to(like.dtype), sin.to(like.dtype)
+
+    def forward(
+        self,
+        noise_embedding: Tensor,
+        target_hidden: Tensor,
+        ctx_positions: Tensor,
+        block_positions: Tensor,
+        masks: Masks | None,
+        cache: DraftCache | None = None,
+    ) -> Tensor:
+        """noise_embedding [b, Q, H] (embedded blocks); target_hidden [b, C, n_feat*H] (raw concatenated
+        target features of the new context rows); positions are absolute. Returns normed hidden [b, Q, H].
+
+        With `cache`, the new context rows are appended to it and the block attends to all cached rows.
+        `masks` maps LayerKind.key to a mask; None means every block query sees every key (decoding a
+        single block with full-attention layers only).
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        ctx_cos, ctx_sin = self.rope(ctx_positions, noise_embedding)
+        cos, sin = self.rope(block_positions, noise_embedding)
+        x = noise_embedding
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            mask = None if masks is None else masks[layer.self_attn.kind.key]
+            past = cache.kv[i] if cache is not None and cache.kv is not None else None
+            x, kv = layer(x, ctx, ctx_cos, ctx_sin, cos, sin, mask, past)
+            new_kv.append(kv)
+        if cache is not None:
+            cache.kv = new_kv
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+        logits = F.linear(hidden, lm_head_weight)
+        multiplier = self.spec.output_multiplier
+        return logits * multiplier if multiplier != 1.0 else logits
