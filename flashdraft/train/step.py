@@ -1,0 +1,107 @@
+"""One forward of the objective on a token batch: target features -> drafter -> weighted head loss.
+
+Shared by the trainer, the held-out evaluation and the benchmark, so all three measure the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.target import TargetModel
+from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.objective import (
+    BlockBatch,
+    acceptance_stats,
+    build_blocks,
+    dense_masks,
+    flex_block_masks,
+    sample_anchors,
+)
+
+
+@dataclass
+class TokenBatch:
+    input_ids: Tensor  # [b, S] right-padded
+    loss_mask: Tensor  # [b, S] 1 on supervised (assistant) tokens
+    lengths: Tensor  # [b] real lengths
+    seeds: list[int]  # per-row anchor seeds, derived from (seed, epoch, sample index)
+
+    def to(self, device: torch.device) -> TokenBatch:
+        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.seeds)
+
+
+@dataclass
+class StepOutput:
+    loss_sum: Tensor  # Σ w·CE (fp32 scalar, differentiable)
+    weight_sum: float  # Σ w
+    stats: dict[str, Tensor]  # acceptance sums (see objective.acceptance_stats)
+    real_blocks: int
+    ctx_tokens: int
+
+
+class Objective:
+    """Binds a drafter and its target to the DFlash objective with one attention backend."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        target: TargetModel,
+        *,
+        num_anchors: int,
+        gamma: float,
+        loss: WeightedHeadLoss,
+        attention: str = "sdpa",
+        create_block_mask: Callable | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        if attention == "flex" and create_block_mask is None:
+            raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
+        self.drafter = drafter
+        self.target = target
+        self.num_anchors = num_anchors
+        self.gamma = gamma
+        self.loss = loss
+        self.attention = attention
+        self.create_block_mask = create_block_mask
+        self.autocast_dtype = autocast_dtype
+
+    def blocks(self, batch: TokenBatch) -> BlockBatch:
+        spec = self.drafter.spec
+        anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds)
+        return build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep,
+                            spec.block_size, spec.mask_token_id, self.gamma)
+
+    def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
+        kinds = self.drafter.layer_kinds()
+        if self.attention == "flex":
+            return flex_block_masks(blocks, ctx_len, kinds, self.create_block_mask)
+        return dense_masks(blocks, ctx_len, kinds)
+
+    def __call__(self, batch: TokenBatch, blocks: BlockBatch | None = None) -> StepOutput:
+        blocks = self.blocks(batch) if blocks is None else blocks
+        b, s = batch.input_ids.shape
+        features = self.target.features(batch.input_ids)
+        noise = self.target.embed(blocks.block_ids)
+        ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
+        masks = self.masks(blocks, s)
+        with torch.autocast(noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            hidden = self.drafter(noise, features, ctx_positions, blocks.block_positions, masks)
+        flat_weights = blocks.weights.flatten()
+        rows = flat_weights.nonzero().flatten()
+        head = self.target.lm_head_weight
+        loss_sum, correct_rows = self.loss(
+            hidden.flatten(0, 1).index_select(0, rows).to(head.dtype), head, blocks.labels.flatten()[rows], flat_weights[rows]
+        )
+        correct = torch.zeros_like(flat_weights, dtype=torch.bool).index_copy_(0, rows, correct_rows)
+        return StepOutput(
+            loss_sum=loss_sum,
+            weight_sum=float(flat_weights.sum()),
+            stats=acceptance_stats(correct.view_as(blocks.weights), blocks.weights, blocks.block_size),
+            real_blocks=int(blocks.keep.sum()),
+            ctx_tokens=int(batch.lengths.sum()),
+        )
