@@ -70,7 +70,7 @@ def test_batched_objective_equals_per_block_reference(qwen3_target, sliding):
     kwargs = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
     drafter, target = tiny_pair(qwen3_target, block_size=4, **kwargs)
     batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
-    loss, out = batched_loss(drafter, target, batch, num_anchors=6)
+    loss, _ = batched_loss(drafter, target, batch, num_anchors=6)
     loss.backward()
     g_batched = grads(drafter)
     drafter.zero_grad()
