@@ -49,7 +49,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
-    config = load_config(args.config, args.overrides)
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path:  # no file given: the first word is already an override
+        path, overrides = None, [path, *overrides]
+    config = load_config(path, overrides)
     train(config)
     return 0
 
@@ -105,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars are noise in run logs
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

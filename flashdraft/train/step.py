@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdraft.data.tokens import TokenBatch
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
 from flashdraft.train.loss import WeightedHeadLoss
@@ -22,17 +23,6 @@ from flashdraft.train.objective import (
     flex_block_masks,
     sample_anchors,
 )
-
-
-@dataclass
-class TokenBatch:
-    input_ids: Tensor  # [b, S] right-padded
-    loss_mask: Tensor  # [b, S] 1 on supervised (assistant) tokens
-    lengths: Tensor  # [b] real lengths
-    seeds: list[int]  # per-row anchor seeds, derived from (seed, epoch, sample index)
-
-    def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.seeds)
 
 
 @dataclass

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.data.tokens import TokenBatch
 from flashdraft.model.checkpoint import make_drafter_config
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
-from flashdraft.train.step import TokenBatch
 
 MASK_ID = 300
 

@@ -1,0 +1,96 @@
+"""The one place that decides device placement, compilation and activation checkpointing.
+
+Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
+activation checkpointing per drafter layer, then torch.compile per layer (fullgraph), the compiled
+fused-loss chunk, and the compiled BlockMask builder. Compilation happens on the calling (main)
+thread of a process that owns one GPU: torch.compile is not thread-safe, and a racing or failed
+compile must never fall back silently to dense attention (../shared/reference/supervision.md §0, §1).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.train.loss import WeightedHeadLoss, chunk_loss_and_grad
+
+# Each drafter layer sees a few shapes (sequence-length buckets, train vs eval); more than this is a
+# recompile storm, which is reported as an error instead of degrading to eager code.
+RECOMPILE_LIMIT = 16
+
+
+@dataclass
+class Placement:
+    device: torch.device
+    attention: str  # "flex" or "sdpa"
+    compiled: bool
+    autocast_dtype: torch.dtype | None
+    create_block_mask: Callable | None
+    pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlashdraftError(f"train.device={name}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver?)")
+    return device
+
+
+def guard_compile() -> None:
+    """Make every silent compile degradation loud (supervision.md §1.5-1.7)."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = RECOMPILE_LIMIT
+    cfg.fail_on_recompile_limit_hit = True
+    cfg.suppress_errors = False
+    if hasattr(cfg, "error_on_nested_fx_trace"):
+        cfg.error_on_nested_fx_trace = True
+    warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
+
+
+def parallelize(
+    drafter: DFlashDraftModel,
+    loss: WeightedHeadLoss,
+    *,
+    device: torch.device,
+    attention: str = "auto",
+    compile: bool = True,
+    activation_checkpointing: bool = False,
+    dtype: str = "auto",
+) -> Placement:
+    on_gpu = device.type == "cuda"
+    attention = ("flex" if on_gpu else "sdpa") if attention == "auto" else attention
+    compile = compile and on_gpu
+    if attention == "flex" and not on_gpu:
+        raise FlashdraftError("train.attention=flex needs a CUDA GPU; use train.attention=sdpa (exact) on the CPU")
+    if attention == "flex" and not compile:
+        raise FlashdraftError("train.attention=flex needs train.compile=true (eager flex_attention materialises dense scores)")
+    if dtype == "auto":
+        dtype = "bf16" if on_gpu else "fp32"
+    autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+
+    drafter.to(device)
+    drafter.rotary_emb.to(device)
+    for layer in drafter.layers:
+        if activation_checkpointing:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    create_block_mask = None
+    if compile:
+        guard_compile()
+        for layer in drafter.layers:
+            layer.compile(fullgraph=True)
+        loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True, dynamic=False)
+        loss.static_shapes = True
+    if attention == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
+
+        create_block_mask = torch.compile(_create_block_mask)
+    return Placement(device, attention, compile, autocast_dtype, create_block_mask, pad_multiple=256 if compile else 1)

@@ -1,0 +1,211 @@
+"""The single-process DFlash trainer: target forward (no grad) -> drafter forward/backward -> AdamW.
+
+Reads top to bottom: setup, models, data, placement, optimizer, resume, loop. Paper defaults
+(../shared/reference/dflash.md §3.1): AdamW lr 6e-4, cosine with 4% warm-up, grad clip 1.0, 6 epochs,
+max length 3072, 512 anchors, γ by block size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashdraft.config import Config, dump_yaml
+from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
+from flashdraft.distributed.parallelize import parallelize, resolve_device
+from flashdraft.errors import FlashdraftError
+from flashdraft.model.checkpoint import (
+    check_against_target,
+    load_drafter,
+    make_drafter_config,
+    read_config,
+    resolve_mask_token_id,
+    save_drafter,
+)
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.spec import DFlashSpec, default_gamma
+from flashdraft.model.target import TargetModel, load_target_config
+from flashdraft.train.checkpoint import load_trainer_state, resolve_resume, save_checkpoint, set_rng_state
+from flashdraft.train.flops import peak_tflops, step_flops
+from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.objective import summarize_acceptance
+from flashdraft.train.step import Objective
+
+
+def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warm-up over warmup_ratio of the steps, then cosine decay to min_ratio."""
+    warmup = max(1, math.ceil(total * warmup_ratio)) if warmup_ratio > 0 else 0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _fault_hook(step: int) -> None:
+    """Fault injection for the supervision tests (FLASHDRAFT_FAULT=kill@N | raise@N | hang@N)."""
+    fault = os.environ.get("FLASHDRAFT_FAULT", "")
+    if not fault or "@" not in fault:
+        return
+    what, at = fault.split("@", 1)
+    if int(at) != step:
+        return
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "raise":
+        raise RuntimeError(f"injected failure at step {step}")
+    if what == "hang":
+        while True:
+            time.sleep(1)
+
+
+def build_drafter(config: Config, target_config) -> DFlashDraftModel:
+    m = config.model
+    if m.drafter:
+        drafter_config = read_config(m.drafter)
+        check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
+        return load_drafter(m.drafter, target=target_config)
+    mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
+    drafter_config = make_drafter_config(target_config, num_layers=m.num_layers, block_size=m.block_size,
+                                         mask_token_id=mask, target_layer_ids=m.target_layer_ids)
+    drafter = DFlashDraftModel(drafter_config)
+    drafter.init_weights(torch.Generator().manual_seed(config.train.seed))
+    return drafter
+
+
+@torch.no_grad()
+def evaluate(objective: Objective, data: TokenDataset, batch_size: int, seed: int, pad_multiple: int, device) -> dict[str, float]:
+    """Teacher-forced simulated acceptance on held-out data (fixed anchors: comparable across steps)."""
+    objective.drafter.eval()
+    loss_sum, weight_sum, stats = 0.0, 0.0, None
+    for batch in iterate_batches(data, batch_size, seed, pad_multiple):
+        out = objective(batch.to(device))
+        loss_sum += float(out.loss_sum)
+        weight_sum += out.weight_sum
+        stats = out.stats if stats is None else {k: stats[k] + v for k, v in out.stats.items()}
+    objective.drafter.train()
+    return {"loss": loss_sum / max(weight_sum, 1e-9), **summarize_acceptance(stats)}
+
+
+def train(config: Config) -> dict[str, Any]:
+    t = config.train
+    # ------------------------------------------------------------------ setup
+    device = resolve_device(t.device)
+    torch.manual_seed(t.seed)
+    out_dir = Path(t.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(dump_yaml(config))
+    if not config.model.target:
+        raise FlashdraftError("model.target: no target model directory given (set model.target=/path/to/model)")
+
+    # ------------------------------------------------------------------ target and drafter
+    target_config = load_target_config(config.model.target)
+    drafter = build_drafter(config, target_config)
+    spec: DFlashSpec = drafter.spec
+    target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device, dtype=target_dtype)
+    gamma = t.gamma or default_gamma(spec.block_size)
+
+    # ------------------------------------------------------------------ data
+    train_data = load_token_dataset(config.data.train, max_length=config.data.max_length,
+                                    block_size=spec.block_size, vocab_size=target.vocab_size)
+    eval_data = (load_token_dataset(config.data.eval, max_length=config.data.max_length, block_size=spec.block_size,
+                                    vocab_size=target.vocab_size) if config.data.eval else None)
+    sampler = EpochSampler(len(train_data), t.batch_size, t.seed)
+
+    # ------------------------------------------------------------------ placement and compile (one place)
+    loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
+    placement = parallelize(drafter, loss_fn, device=device, attention=t.attention, compile=t.compile,
+                            activation_checkpointing=t.activation_checkpointing, dtype=t.dtype)
+    objective = Objective(drafter, target, num_anchors=t.num_anchors, gamma=gamma, loss=loss_fn,
+                          attention=placement.attention, create_block_mask=placement.create_block_mask,
+                          autocast_dtype=placement.autocast_dtype)
+
+    # ------------------------------------------------------------------ optimizer and schedule
+    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum))
+    total_steps = t.max_steps or t.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                                  fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio))
+
+    # ------------------------------------------------------------------ resume
+    step, best_tau = 0, -math.inf
+    resume_from = resolve_resume(t.resume, out_dir)
+    if resume_from is not None:
+        state = load_trainer_state(resume_from)
+        resumed = load_drafter(resume_from / "drafter", dtype=torch.float32)
+        drafter.load_state_dict(resumed.state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        step, best_tau = state["step"], state.get("best_tau", -math.inf)
+        print(f"resumed from {resume_from} at step {step}", flush=True)
+
+    def trainer_state() -> dict[str, Any]:
+        return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "sampler": sampler.state_dict(), "best_tau": best_tau, "total_steps": total_steps}
+
+    # ------------------------------------------------------------------ loop
+    logger = MetricsLogger(out_dir, total_steps)
+    peak = peak_tflops(device)
+    print(f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
+          f"({placement.attention} attention, compiled={placement.compiled}); {len(train_data)} samples "
+          f"({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps", flush=True)
+    window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
+    drafter.train()
+    while step < total_steps:
+        started = time.perf_counter()
+        micro = []
+        for _ in range(t.grad_accum):
+            epoch, indices = sampler.next_batch()
+            batch = collate(train_data, epoch, indices, t.seed, placement.pad_multiple).to(device)
+            micro.append((batch, objective.blocks(batch)))
+        # Normalise by the whole step's Σw so accumulation equals one large batch exactly.
+        total_weight = sum(float(blocks.weights.sum()) for _, blocks in micro)
+        for batch, blocks in micro:
+            out = objective(batch, blocks)
+            (out.loss_sum / total_weight).backward()
+            window["loss_sum"] += float(out.loss_sum.detach())
+            window["stats"] = out.stats if window["stats"] is None else {k: window["stats"][k] + v for k, v in out.stats.items()}
+            window["blocks"] += out.real_blocks
+            window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, out.ctx_tokens,
+                                          int((blocks.weights > 0).sum()), target.vocab_size).total
+        window["weight"] += total_weight
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        window["time"] += time.perf_counter() - started
+
+        if step % t.log_every == 0 or step == total_steps:
+            seconds = max(window["time"], 1e-9)
+            metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "epoch": sampler.epoch,
+                       "block_tok_s": window["blocks"] * spec.block_size / seconds,
+                       "tflops": window["flops"] / seconds / 1e12}
+            if peak:
+                metrics["mfu"] = metrics["tflops"] / peak
+            logger.log(step, metrics)
+            window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
+        if eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
+            result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
+            logger.log(step, result, kind="eval")
+            if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
+                best_tau = result["tau"]
+                save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
+        if step % t.save_every == 0 or step == total_steps:
+            save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
+        _fault_hook(step)
+    logger.close()
+    return {"steps": step, "out_dir": str(out_dir), "best_tau": best_tau}
