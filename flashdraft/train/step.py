@@ -72,10 +72,12 @@ class Objective:
             return flex_block_masks(blocks, ctx_len, kinds, self.create_block_mask)
         return dense_masks(blocks, ctx_len, kinds)
 
-    def __call__(self, batch: TokenBatch, blocks: BlockBatch | None = None) -> StepOutput:
+    def __call__(self, batch: TokenBatch, blocks: BlockBatch | None = None, features: Tensor | None = None) -> StepOutput:
+        """`features` may come precomputed (timed separately, or produced by a target on another GPU)."""
         blocks = self.blocks(batch) if blocks is None else blocks
         b, s = batch.input_ids.shape
-        features = self.target.features(batch.input_ids)
+        if features is None:
+            features = self.target.features(batch.input_ids)
         noise = self.target.embed(blocks.block_ids)
         ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
         masks = self.masks(blocks, s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -107,4 +108,4 @@ def test_bad_data_names_file_and_line(tmp_path, qwen3_target):
 def test_schedule_warms_up_then_decays_to_floor():
     values = [lr_lambda(s, 100, 0.04, 0.1) for s in range(100)]
     assert values[0] == 0.25 and values[3] == 1.0 and values[4] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(values[3:], values[4:], strict=False)) and values[-1] > 0.1
+    assert all(a >= b for a, b in itertools.pairwise(values[3:])) and values[-1] > 0.1

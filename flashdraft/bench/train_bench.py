@@ -1,0 +1,202 @@
+"""`flashdraft bench train`: the drafter training step on a Qwen3-8B-shaped random target.
+
+Shapes (issue #3): (a) batch 2 x seq 768, 256 anchors; (b) batch 1 x seq 3072, 512 anchors. Block 16,
+5-layer drafter on target layers [1, 9, 17, 25, 33], same process and GPU as the target. Reports the
+drafter step's achieved TFLOP/s (FLOPs the work needs, train/flops.py), MFU against the 989 TFLOP/s
+datasheet peak and the 789 TFLOP/s measured matmul ceiling (../shared/reference/gpu-machine.md), target
+ms, peak memory, and a breakdown of the drafter step timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft.data.tokens import TokenBatch
+from flashdraft.distributed.parallelize import parallelize
+from flashdraft.model.checkpoint import make_drafter_config
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.target import TargetModel
+from flashdraft.train.flops import step_flops
+from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.step import Objective
+
+SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
+DATASHEET_TFLOPS, MEASURED_CEILING_TFLOPS = 989.0, 789.0
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1e6, tie_word_embeddings=False)
+
+
+def build_target(layer_ids: list[int], num_layers: int) -> TargetModel:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": num_layers})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return TargetModel(model, layer_ids, name="Qwen3-8B-shaped random target")
+
+
+def random_batch(shape: dict, vocab: int, seed: int) -> TokenBatch:
+    g = torch.Generator().manual_seed(seed)
+    b, s = shape["batch"], shape["seq"]
+    ids = torch.randint(0, vocab - 300, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[:, :64] = 0  # a short prompt, the rest supervised
+    return TokenBatch(ids, mask, torch.full((b,), s), [seed * 10 + i for i in range(b)]).to(torch.device("cuda"))
+
+
+class Timer:
+    def __init__(self):
+        self.events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
+
+    def span(self, name: str):
+        timer = self
+
+        class _Span:
+            def __enter__(self):
+                self.start = torch.cuda.Event(enable_timing=True)
+                self.end = torch.cuda.Event(enable_timing=True)
+                self.start.record()
+
+            def __exit__(self, *exc):
+                self.end.record()
+                timer.events.setdefault(name, []).append((self.start, self.end))
+
+        return _Span()
+
+    def medians(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in self.events.items()}
+
+
+def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_layers: int, compile: bool) -> dict:
+    shape = SHAPES[name]
+    config = make_drafter_config(target.config, num_layers=num_layers, block_size=16, mask_token_id=151669,
+                                 target_layer_ids=target.layer_ids)
+    with torch.device("cuda"):
+        drafter = DFlashDraftModel(config)
+    drafter.init_weights()
+    loss_fn = WeightedHeadLoss(chunk=1024)
+    placement = parallelize(drafter, loss_fn, device=torch.device("cuda"), attention="flex" if compile else "sdpa",
+                            compile=compile)
+    objective = Objective(drafter, target, num_anchors=shape["anchors"], gamma=7.0, loss=loss_fn,
+                          attention=placement.attention, create_block_mask=placement.create_block_mask,
+                          autocast_dtype=placement.autocast_dtype)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=True)
+    batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
+    timer = Timer()
+    torch.cuda.reset_peak_memory_stats()
+    compile_started = time.perf_counter()
+    flops = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - compile_started
+            timer = Timer()
+        batch = batches[i % len(batches)]
+        blocks = objective.blocks(batch)
+        with timer.span("target_ms"):
+            features = target.features(batch.input_ids)
+        with timer.span("drafter_step_ms"):
+            out = objective(batch, blocks, features=features)
+            (out.loss_sum / out.weight_sum).backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if i >= warmup:
+            flops.append(step_flops(config, drafter.layer_kinds(), blocks, out.ctx_tokens,
+                                    int((blocks.weights > 0).sum()), target.vocab_size))
+    times = timer.medians()
+    breakdown = profile_breakdown(objective, optimizer, batches[0], drafter)
+    f = flops[0]
+    tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
+    samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
+    return {
+        "shape": name, **shape, "compiled": compile, "attention": placement.attention,
+        "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
+        "target_ms": round(times["target_ms"], 2), "drafter_step_ms": round(times["drafter_step_ms"], 2),
+        "drafter_tflop_per_step": round(f.total / 1e12, 2),
+        "drafter_tflop_breakdown": {"linear": round(f.linear / 1e12, 2), "lm_head": round(f.head / 1e12, 2),
+                                    "attention": round(f.attention / 1e12, 2)},
+        "drafter_tflops_achieved": round(tflops, 1),
+        "mfu_vs_datasheet_989": round(tflops / DATASHEET_TFLOPS, 3),
+        "mfu_vs_measured_789": round(tflops / MEASURED_CEILING_TFLOPS, 3),
+        "samples_per_s_end_to_end": round(samples_per_s, 2),
+        "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "warmup_s": round(compile_s, 1), "breakdown_ms": breakdown,
+    }
+
+
+def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch, drafter) -> dict[str, float]:
+    """Where the drafter step's time goes: each phase timed with CUDA events (median of 5)."""
+    timer = Timer()
+    for _ in range(5):
+        blocks = objective.blocks(batch)
+        features = objective.target.features(batch.input_ids)
+        b, s = batch.input_ids.shape
+        with timer.span("block_mask"):
+            masks = objective.masks(blocks, s)
+        with timer.span("drafter_forward"):
+            noise = objective.target.embed(blocks.block_ids)
+            pos = torch.arange(s, device=noise.device).expand(b, -1)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                hidden = drafter(noise, features, pos, blocks.block_positions, masks)
+        with timer.span("lm_head_loss_fwd_and_grad"):
+            w = blocks.weights.flatten()
+            rows = w.nonzero().flatten()
+            head = objective.target.lm_head_weight
+            loss, _ = objective.loss(hidden.flatten(0, 1).index_select(0, rows).to(head.dtype), head,
+                                     blocks.labels.flatten()[rows], w[rows])
+        with timer.span("drafter_backward"):
+            (loss / w.sum()).backward()
+        with timer.span("clip_and_adamw"):
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return {k: round(v, 2) for k, v in timer.medians().items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashdraft bench train")
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="a, b (default both)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--target-layers", type=int, default=36)
+    parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
+    parser.add_argument("--out", default=None, help="write results JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flashdraft bench train: needs a CUDA GPU")
+        return 2
+    target = build_target([1, 9, 17, 25, 33], args.target_layers)
+    results = []
+    for name in args.shape or ["a", "b"]:
+        results.append(run_shape(name, target, steps=args.steps, warmup=args.warmup,
+                                 num_layers=args.drafter_layers, compile=not args.no_compile))
+        torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    report = {
+        "benchmark": "flashdraft bench train", "argv": argv, "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "python": platform.python_version(), "git_commit": commit,
+        "date": time.strftime("%Y-%m-%d"), "results": results,
+    }
+    header = f"{'shape':5} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}"
+    print(header)
+    for r in results:
+        print(f"{r['shape']:5} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} {r['drafter_tflop_per_step']:10.2f} "
+              f"{r['drafter_tflops_achieved']:8.1f} {r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
+              f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}")
+        print("      breakdown:", r["breakdown_ms"], "| warmup", r["warmup_s"], "s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
