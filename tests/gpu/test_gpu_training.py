@@ -60,7 +60,7 @@ def test_eager_flex_attention_is_an_error(qwen3_target):
     from torch.nn.attention.flex_attention import create_block_mask
 
     masks = flex_block_masks(blocks, 64, drafter.layer_kinds(), create_block_mask)
-    with pytest.raises(FlashdraftError, match="outside torch.compile"):
+    with pytest.raises(FlashdraftError, match=r"outside torch\.compile"):
         drafter(target.embed(blocks.block_ids), target.features(batch.input_ids), torch.arange(64, device=CUDA)[None],
                 blocks.block_positions, masks)
 
@@ -71,7 +71,7 @@ def test_recompile_storm_is_an_error_not_a_fallback(qwen3_target):
     placement = parallelize(drafter, loss_fn, device=CUDA, attention="flex", compile=True)
     objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=loss_fn, attention="flex",
                           create_block_mask=placement.create_block_mask, autocast_dtype=torch.bfloat16)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.raises(Exception, match="(?i)recompile"):
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.raises(Exception, match=r"(?i)recompile"):
         for length in range(40, 40 + 30 * 8, 8):  # 30 distinct static shapes > RECOMPILE_LIMIT
             objective(token_batch([length], prompt_lengths=[4]).to(CUDA))
 
