@@ -77,14 +77,16 @@ class Timer:
         return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in self.events.items()}
 
 
-def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_layers: int, compile: bool) -> dict:
+def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_layers: int, compile: bool,
+              loss_chunk: int = 1024) -> dict:
     shape = SHAPES[name]
+    torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
     config = make_drafter_config(target.config, num_layers=num_layers, block_size=16, mask_token_id=151669,
                                  target_layer_ids=target.layer_ids)
     with torch.device("cuda"):
         drafter = DFlashDraftModel(config)
     drafter.init_weights()
-    loss_fn = WeightedHeadLoss(chunk=1024)
+    loss_fn = WeightedHeadLoss(chunk=loss_chunk)
     placement = parallelize(drafter, loss_fn, device=torch.device("cuda"), attention="flex" if compile else "sdpa",
                             compile=compile)
     objective = Objective(drafter, target, num_anchors=shape["anchors"], gamma=7.0, loss=loss_fn,
@@ -120,7 +122,7 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
     return {
-        "shape": name, **shape, "compiled": compile, "attention": placement.attention,
+        "shape": name, **shape, "compiled": compile, "loss_chunk": loss_chunk, "attention": placement.attention,
         "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
         "target_ms": round(times["target_ms"], 2), "drafter_step_ms": round(times["drafter_step_ms"], 2),
         "drafter_tflop_per_step": round(f.total / 1e12, 2),
@@ -171,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--drafter-layers", type=int, default=5)
     parser.add_argument("--target-layers", type=int, default=36)
+    parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.shape or ["a", "b"]:
         results.append(run_shape(name, target, steps=args.steps, warmup=args.warmup,
-                                 num_layers=args.drafter_layers, compile=not args.no_compile))
+                                 num_layers=args.drafter_layers, compile=not args.no_compile,
+                                 loss_chunk=args.loss_chunk))
         torch.cuda.empty_cache()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     report = {

@@ -21,9 +21,10 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.train.loss import WeightedHeadLoss, chunk_loss_and_grad
 
-# Each drafter layer sees a few shapes (sequence-length buckets, train vs eval); more than this is a
-# recompile storm, which is reported as an error instead of degrading to eager code.
-RECOMPILE_LIMIT = 16
+# Dynamo counts compiles per code object, and all drafter layers share DrafterLayer.forward: each layer
+# may compile for training and for evaluation, with a static then a dynamic sequence length. More than
+# this per layer is a recompile storm, reported as an error instead of degrading to eager code.
+RECOMPILES_PER_LAYER = 8
 
 
 @dataclass
@@ -45,10 +46,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def guard_compile() -> None:
+def guard_compile(num_layers: int) -> None:
     """Make every silent compile degradation loud (supervision.md §1.5-1.7)."""
     cfg = torch._dynamo.config
-    cfg.recompile_limit = RECOMPILE_LIMIT
+    cfg.recompile_limit = RECOMPILES_PER_LAYER * max(1, num_layers)
     cfg.fail_on_recompile_limit_hit = True
     cfg.suppress_errors = False
     if hasattr(cfg, "error_on_nested_fx_trace"):
@@ -84,7 +85,7 @@ def parallelize(
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     create_block_mask = None
     if compile:
-        guard_compile()
+        guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
         loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True, dynamic=False)

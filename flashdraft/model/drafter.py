@@ -57,7 +57,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterAttention(nn.Module):
@@ -97,9 +98,15 @@ class DrafterAttention(nn.Module):
         mask: Tensor | BlockMask | None,
     ) -> Tensor:
         b, n, _ = x.shape
-        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k, v = self.key_value(x, cos, sin)
+        # One GEMM for q, k and v of the block rows (a wider N runs closer to the matmul ceiling);
+        # the tensors stay separate, so checkpoint names and gradients are unchanged.
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                       None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = apply_rope(self.q_norm(self._heads(q, self.num_heads)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)).transpose(1, 2), cos, sin)
+        v = self._heads(v, self.num_kv_heads).transpose(1, 2)
         k = torch.cat([ctx_k, k], dim=2)
         v = torch.cat([ctx_v, v], dim=2)
         out = attend(q, k, v, mask, self.scale)
