@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.optim import clip_and_step, make_adamw
 from flashdraft.train.step import Objective
 
 SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
@@ -92,7 +94,8 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
     objective = Objective(drafter, target, num_anchors=shape["anchors"], gamma=7.0, loss=loss_fn,
                           attention=placement.attention, create_block_mask=placement.create_block_mask,
                           autocast_dtype=placement.autocast_dtype)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=6e-4, fused=True)
+    params = list(drafter.parameters())
+    optimizer = make_adamw(params, lr=6e-4, weight_decay=0.0, device=torch.device("cuda"))
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()
@@ -110,8 +113,7 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
         with timer.span("drafter_step_ms"):
             out = objective(batch, blocks, features=features)
             (out.loss_sum / out.weight_sum).backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            optimizer.step()
+            clip_and_step(optimizer, params, 1.0)
             optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
             flops.append(step_flops(config, drafter.layer_kinds(), blocks, out.ctx_tokens,
@@ -160,8 +162,7 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch, drafte
         with timer.span("drafter_backward"):
             (loss / w.sum()).backward()
         with timer.span("clip_and_adamw"):
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-            optimizer.step()
+            clip_and_step(optimizer, list(drafter.parameters()), 1.0)
             optimizer.zero_grad(set_to_none=True)
     return {k: round(v, 2) for k, v in timer.medians().items()}
 
@@ -187,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                                  num_layers=args.drafter_layers, compile=not args.no_compile,
                                  loss_chunk=args.loss_chunk))
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = os.environ.get("FLASHDRAFT_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     report = {
-        "benchmark": "flashdraft bench train", "argv": argv, "device": torch.cuda.get_device_name(),
+        "benchmark": "flashdraft bench train", "command": "flashdraft bench train " + " ".join(argv or []), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "python": platform.python_version(), "git_commit": commit,
         "date": time.strftime("%Y-%m-%d"), "results": results,
     }

@@ -36,6 +36,7 @@ from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import summarize_acceptance
+from flashdraft.train.optim import clip_and_step, make_adamw
 from flashdraft.train.step import Objective
 
 
@@ -130,8 +131,8 @@ def train(config: Config) -> dict[str, Any]:
     # ------------------------------------------------------------------ optimizer and schedule
     steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum))
     total_steps = t.max_steps or t.epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                                  fused=device.type == "cuda")
+    params = list(drafter.parameters())
+    optimizer = make_adamw(params, lr=t.lr, weight_decay=t.weight_decay, device=device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio))
 
@@ -179,8 +180,7 @@ def train(config: Config) -> dict[str, Any]:
             window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, out.ctx_tokens,
                                           int((blocks.weights > 0).sum()), target.vocab_size).total
         window["weight"] += total_weight
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), t.grad_clip))
-        optimizer.step()
+        grad_norm = clip_and_step(optimizer, params, t.grad_clip)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
@@ -191,7 +191,7 @@ def train(config: Config) -> dict[str, Any]:
         if step % t.log_every == 0 or step == total_steps:
             seconds = max(window["time"], 1e-9)
             metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "epoch": sampler.epoch,
+                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "epoch": sampler.epoch,
                        "block_tok_s": window["blocks"] * spec.block_size / seconds,
                        "tflops": window["flops"] / seconds / 1e12}
             if peak:
