@@ -1,0 +1,164 @@
+"""Speculative decoding with a DFlash drafter, batch size 1 (../shared/reference/dflash.md §4.1).
+
+Per step: one draft forward over [anchor, MASK x (B-1)] (the draft cache holds only the injected
+context K/V; the block's K/V are never stored), one target verify forward over the block, acceptance,
+target cache crop, and the accepted tokens' target features become the next step's new context.
+block_size=1 skips the drafter entirely: plain autoregressive decoding through the same code, which
+is the speedup baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from flashdraft.errors import FlashdraftError
+from flashdraft.infer.sampling import (
+    check_sampling,
+    greedy_accept,
+    one_hot_probs,
+    rejection_accept,
+    sample,
+    sampling_probs,
+)
+from flashdraft.model.attention import dense_mask
+from flashdraft.model.drafter import DFlashDraftModel, DraftCache
+from flashdraft.model.target import TargetModel
+
+
+@dataclass
+class Generation:
+    prompt_len: int
+    tokens: list[int]  # generated tokens (the first comes from the prefill)
+    accepted: list[int] = field(default_factory=list)  # tokens committed per decode step (accepted drafts + 1)
+    decode_seconds: float = 0.0  # decode loop only (prefill excluded, as z-lab's TPOT)
+    prefill_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _single_block_masks(drafter: DFlashDraftModel, ctx_len: int, start: int, block: int, device) -> dict | None:
+    kinds = drafter.layer_kinds()
+    if all(not k.causal and k.window is None for k in kinds):
+        return None  # one block over all of its context: nothing to mask
+    anchors = torch.tensor([[start]], device=device)
+    keep = torch.ones(1, 1, dtype=torch.bool, device=device)
+    positions = torch.arange(ctx_len, device=device)[None]
+    return {k.key: dense_mask(anchors, keep, positions, block, k) for k in set(kinds)}
+
+
+def _crop(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions; `crop(-n)` (remove n) means the same in every transformers 4.x/5.x."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _check_target(target: TargetModel) -> None:
+    types = getattr(target.config, "layer_types", None) or []
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise FlashdraftError(
+            f"{target.name}: has recurrent (linear-attention) layers, whose state cannot be rolled back after a "
+            "rejected draft in the transformers backend; evaluate this target with SGLang "
+            "(--mamba-scheduler-strategy extra_buffer) or vLLM"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    target: TargetModel,
+    drafter: DFlashDraftModel | None,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    draft_sampling: str = "sample",
+    stop_token_ids: list[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Generate up to `max_new_tokens` after `input_ids` [1, P]. `draft_sampling` ('sample' or 'argmax')
+    chooses how drafts are proposed at temperature > 0; either way the output follows the target."""
+    check_sampling(temperature, top_p, top_k)
+    _check_target(target)
+    block = 1 if drafter is None else (block_size or drafter.block_size)
+    if drafter is not None:
+        drafter.eval()
+    device = target.device
+    input_ids = input_ids.to(device)
+    prompt_len = input_ids.shape[1]
+    max_len = prompt_len + max_new_tokens
+    stops = set(stop_token_ids or [])
+    greedy = temperature == 0
+
+    def pick(logits: Tensor) -> int:
+        return int(logits.argmax(-1)) if greedy else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
+
+    mask_id = drafter.mask_token_id if drafter is not None else 0
+    output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
+    output[:prompt_len] = input_ids[0]
+    cache = DynamicCache(config=target.model.config)
+    draft_cache = DraftCache()
+
+    started = _sync(device)
+    logits, features = target.forward_cached(input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1)
+    output[prompt_len] = pick(logits[0, -1])
+    context = features  # target features of committed tokens not yet in the draft cache
+    result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
+
+    started = _sync(device)
+    start = prompt_len  # index of the last committed token: the next block's anchor
+    stopped = int(output[start]) in stops
+    while start + 1 < max_len and not stopped:
+        size = min(block, max_len - start)
+        block_ids = output[start : start + size].clone()
+        draft_probs = None
+        if size > 1:
+            ctx_start = draft_cache.length
+            masks = _single_block_masks(drafter, start, start, size, device)
+            hidden = drafter(target.embed(block_ids[None]), context, torch.arange(ctx_start, start, device=device)[None],
+                             torch.arange(start, start + size, device=device)[None], masks, cache=draft_cache)
+            draft_logits = drafter.compute_logits(hidden[0, 1:], target.lm_head_weight)
+            if greedy or draft_sampling == "argmax":
+                block_ids[1:] = draft_logits.argmax(-1)
+                draft_probs = None if greedy else one_hot_probs(block_ids[1:], draft_logits.shape[-1])
+            else:
+                draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
+                block_ids[1:] = sample(draft_probs, generator)
+        logits, features = target.forward_cached(block_ids[None], torch.arange(start, start + size, device=device)[None], cache)
+        if greedy:
+            accepted, bonus = greedy_accept(block_ids[1:], logits[0])
+        elif size > 1:
+            target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
+            accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
+        else:
+            accepted, bonus = 0, pick(logits[0, -1])
+        output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
+        output[start + accepted + 1] = bonus
+        produced = min(accepted + 1, max_len - start - 1)
+        new = output[start + 1 : start + produced + 1].tolist()
+        for i, token in enumerate(new):
+            if token in stops:
+                produced, stopped = i + 1, True
+                break
+        start += produced
+        _crop(cache, start)  # the bonus token's K/V are computed by the next verify
+        result.accepted.append(produced)
+        context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
+    result.decode_seconds = _sync(device) - started
+    result.tokens = output[prompt_len : min(start + 1, max_len)].tolist()
+    return result
