@@ -64,6 +64,16 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flashdraft.infer.evaluate import EvalSettings, run_eval
+
+    settings = EvalSettings(block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, thinking=args.thinking, check_lossless=args.check_lossless,
+                            max_prompts=args.max_prompts, seed=args.seed)
+    run_eval(args.target, args.drafter, args.prompts, settings, device=args.device, out=args.out, plot_path=args.plot)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "train":
         from flashdraft.bench.train_bench import main as bench_train
@@ -97,6 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default=None, help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="speculative decoding: τ, per-position acceptance, speedup, losslessness")
+    p.add_argument("--target", required=True, help="target model directory")
+    p.add_argument("--drafter", required=True, help="drafter directory")
+    p.add_argument("--prompts", required=True, help="JSONL of messages / conversations / prompt / input_ids records")
+    p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)")
+    p.add_argument("--check-lossless", action="store_true", help="also report where greedy outputs diverge")
+    p.add_argument("--max-prompts", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=None, help="write the report as JSON")
+    p.add_argument("--plot", default=None, help="write a PNG of per-position acceptance and the length histogram")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...]")
     p.add_argument("what", choices=["train"])

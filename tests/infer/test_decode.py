@@ -117,3 +117,24 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
     assert 0.5 * (emp2 - exact2).abs().sum() < 0.06
     assert 0.5 * (emp3 - exact3).abs().sum() < 0.06
     assert 1 in steps and max(steps) > 1  # both fully accepted and rejected blocks occurred
+
+
+def test_eval_command_reports_tau_speedup_and_plot(trained, tmp_path, capsys):
+    import json
+
+    from flashdraft.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"input_ids": p[0].tolist()}) for p in _prompts(3)) + "\n")
+    out, png = tmp_path / "report.json", tmp_path / "report.png"
+    assert main(["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"]), "--prompts", str(prompts),
+                 "--max-new-tokens", "24", "--check-lossless", "--out", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 3 and 1.0 <= report["tau"] <= 6 and report["speedup"] > 0
+    assert len(report["acceptance_by_position"]) == 5 and sum(report["accepted_length_histogram"].values()) > 0
+    assert report["lossless"] == {"identical": 3, "diverged": []}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "speedup" in capsys.readouterr().out
+    # sampling with a lossless check is refused clearly
+    assert main(["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"]), "--prompts", str(prompts),
+                 "--temperature", "0.7", "--check-lossless"]) == 2

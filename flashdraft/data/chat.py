@@ -1,0 +1,112 @@
+"""Conversations in the common dataset shapes, normalised to OpenAI-style messages.
+
+Shapes: OpenAI `messages` ({role, content}), ShareGPT `conversations` ({from, value}), prompt/response
+pairs, and pre-tokenized `input_ids`. Errors name the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashdraft.errors import FlashdraftError
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]] | None  # None when the record is pre-tokenized
+    input_ids: list[int] | None
+    where: str
+
+
+def normalise(record: dict, where: str) -> Conversation:
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise FlashdraftError(f"{where}: 'input_ids' must be a non-empty list of non-negative integers")
+        return Conversation(None, ids, where)
+    if "messages" in record:
+        raw = record["messages"]
+        messages = []
+        for i, m in enumerate(raw if isinstance(raw, list) else []):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise FlashdraftError(f"{where}: messages[{i}] needs 'role' and 'content'")
+            messages.append({"role": m["role"], "content": m["content"]})
+    elif "conversations" in record:
+        raw = record["conversations"]
+        messages = []
+        for i, m in enumerate(raw if isinstance(raw, list) else []):
+            if not isinstance(m, dict) or "from" not in m or "value" not in m:
+                raise FlashdraftError(f"{where}: conversations[{i}] needs 'from' and 'value'")
+            role = _SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise FlashdraftError(f"{where}: conversations[{i}] has unknown role {m['from']!r}")
+            messages.append({"role": role, "content": m["value"]})
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": record["prompt"]}]
+        if record.get("response") is not None:
+            messages.append({"role": "assistant", "content": record["response"]})
+    else:
+        raise FlashdraftError(f"{where}: expected 'messages', 'conversations', 'prompt' or 'input_ids'")
+    if not messages:
+        raise FlashdraftError(f"{where}: empty conversation")
+    for i, m in enumerate(messages):
+        if m["role"] not in ROLES:
+            raise FlashdraftError(f"{where}: message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise FlashdraftError(f"{where}: message {i} content must be a string")
+    return Conversation(messages, None, where)
+
+
+def read_records(path: str | Path) -> list[tuple[dict, str]]:
+    """(record, 'file line N') from a JSONL file, or from a JSON file holding a list."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlashdraftError(f"{path}: no such file")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise FlashdraftError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise FlashdraftError(f"{path}: expected a JSON list of records")
+        return [(r, f"{path} item {i}") for i, r in enumerate(data)]
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FlashdraftError(f"{path} line {number}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise FlashdraftError(f"{path} line {number}: expected a JSON object")
+        records.append((record, f"{path} line {number}"))
+    return records
+
+
+def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
+    """Token ids of the conversation up to its last user turn, ready for the assistant's answer, rendered
+    with the target's own chat template (as a serving engine renders it)."""
+    if conversation.input_ids is not None:
+        return conversation.input_ids
+    messages = list(conversation.messages)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise FlashdraftError(f"{conversation.where}: no user turn to answer")
+    if tokenizer is None:
+        raise FlashdraftError(f"{conversation.where}: text prompts need the target's tokenizer (none found next to the target)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
+    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

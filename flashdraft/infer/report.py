@@ -1,0 +1,82 @@
+"""Acceptance statistics of speculative decoding runs, as z-lab's benchmark defines them (dflash.md §4.4).
+
+τ = mean over prompts of the per-prompt mean tokens committed per step (accepted drafts + 1), so
+1 <= τ <= B. Acceptance at block position k = P(draft k accepted | drafts 1..k-1 accepted).
+Speedup = mean time per output token of plain decoding / that of speculative decoding (prefill excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from flashdraft.infer.decode import Generation
+
+
+def acceptance_report(runs: list[Generation], baselines: list[Generation] | None, block_size: int) -> dict[str, Any]:
+    steps = [a for run in runs for a in run.accepted]
+    reached = [0] * block_size  # reached[k]: steps whose first k drafts were all accepted
+    hist = [0] * (block_size + 1)
+    for produced in steps:
+        hist[produced] += 1
+        for k in range(produced):
+            reached[k] += 1
+    per_position = [reached[k] / reached[k - 1] if reached[k - 1] else 0.0 for k in range(1, block_size)]
+    report: dict[str, Any] = {
+        "prompts": len(runs),
+        "block_size": block_size,
+        "tau": statistics.mean(run.tau for run in runs if run.accepted) if steps else float("nan"),
+        "tau_pooled": sum(steps) / len(steps) if steps else float("nan"),
+        "acceptance_by_position": per_position,
+        "accepted_length_histogram": {str(n): hist[n] for n in range(1, block_size + 1)},
+        "output_tokens": sum(len(r.tokens) for r in runs),
+        "decode_seconds": sum(r.decode_seconds for r in runs),
+    }
+    report["tokens_per_s"] = _tokens_per_s(runs)
+    if baselines:
+        tpot = statistics.mean(_tpot(r) for r in runs)
+        base_tpot = statistics.mean(_tpot(r) for r in baselines)
+        report["baseline_tokens_per_s"] = _tokens_per_s(baselines)
+        report["speedup"] = base_tpot / tpot if tpot > 0 else float("nan")
+    return report
+
+
+def _tpot(run: Generation) -> float:
+    return run.decode_seconds / max(1, len(run.tokens))
+
+
+def _tokens_per_s(runs: list[Generation]) -> float:
+    seconds = sum(r.decode_seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds > 0 else float("nan")
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    rates = report["acceptance_by_position"]
+    left.bar(range(1, len(rates) + 1), rates, color="#3b7dd8")
+    left.set(xlabel="block position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
+             title=f"per-position acceptance (τ = {report['tau']:.2f})")
+    hist = report["accepted_length_histogram"]
+    right.bar([int(k) for k in hist], list(hist.values()), color="#d8773b")
+    right.set(xlabel="tokens committed per step", ylabel="steps", title="accepted-length histogram")
+    if "speedup" in report:
+        fig.suptitle(f"speedup {report['speedup']:.2f}x vs plain decoding")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
