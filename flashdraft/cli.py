@@ -46,14 +46,9 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from flashdraft.config import load_config
-    from flashdraft.train.trainer import train
+    from flashdraft.train.job import run_job
 
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path:  # no file given: the first word is already an override
-        path, overrides = None, [path, *overrides]
-    config = load_config(path, overrides)
-    train(config)
+    run_job(*_split_config(args.config, args.overrides))
     return 0
 
 
@@ -72,6 +67,66 @@ def cmd_eval(args: argparse.Namespace) -> int:
                             max_prompts=args.max_prompts, seed=args.seed)
     run_eval(args.target, args.drafter, args.prompts, settings, device=args.device, out=args.out, plot_path=args.plot)
     return 0
+
+
+def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    if config is not None and "=" in config:  # no file given: the first word is already an override
+        return None, [config, *overrides]
+    return config, list(overrides)
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import json
+
+    from flashdraft.run.launcher import launch
+
+    path, overrides = _split_config(args.config, args.overrides)
+    env = {}
+    for item in args.env:
+        if "=" not in item:
+            raise FlashdraftError(f"--env {item!r}: expected KEY=VALUE")
+        key, value = item.split("=", 1)
+        env[key] = value
+    info = launch(path, overrides, runs_dir=args.runs_dir, name=args.name, python=args.python, env=env,
+                  wait=not args.no_wait, wait_timeout=args.wait_timeout, stall_seconds=args.stall_seconds,
+                  doctor=not args.skip_doctor)
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+    else:
+        print(f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else ""))
+        print(f"  dir  {info['run_dir']}\n  log  flashdraft logs {info['run']} -f\n  stop flashdraft stop {info['run']}")
+        if info.get("warning"):
+            print(f"  warning: {info['warning']}")
+    return 1 if info["state"] in ("failed", "killed", "lost") else 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flashdraft.run.status import show_status
+
+    return show_status(args.run, runs_dir=args.runs_dir, as_json=args.json)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from flashdraft.run.monitor import find_run, follow_log
+
+    follow_log(find_run(args.run, args.runs_dir), args.rank, args.lines, args.follow)
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from flashdraft.run.monitor import find_run, stop_run
+
+    info = stop_run(find_run(args.run, args.runs_dir), force=args.force, timeout=args.timeout)
+    print(f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else ""))
+    return 0 if info["state"] in ("stopped", "finished", "killed", "failed") else 1
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from flashdraft.config import load_config
+    from flashdraft.run.doctor import print_checks, run_checks
+
+    path, overrides = _split_config(args.config, args.overrides)
+    return print_checks(run_checks(load_config(path, overrides), quick=args.quick))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -108,6 +163,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     p.set_defaults(func=cmd_train)
 
+    runs_help = "runs directory (default $FLASHDRAFT_RUNS_DIR or ./runs)"
+    p = sub.add_parser("launch", help="start a detached, supervised training run; returns once it is up or has failed")
+    p.add_argument("config", nargs="?", default=None, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    p.add_argument("--runs-dir", default=None, help=runs_help)
+    p.add_argument("--name", default=None, help="run name prefix (default: the config file's name)")
+    p.add_argument("--python", default=None, help="interpreter for the job (default: this one)")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the job's environment (repeatable)")
+    p.add_argument("--no-wait", action="store_true", help="return as soon as the supervisor is started")
+    p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to wait for the job to come up")
+    p.add_argument("--stall-seconds", type=float, default=600.0, help="heartbeat age after which a live job counts as hung")
+    p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("status", help="state, progress and diagnosis of all runs, or of one")
+    p.add_argument("run", nargs="?", default=None, help="run name (a unique prefix is enough) or directory")
+    p.add_argument("--runs-dir", default=None, help=runs_help)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("logs", help="print (or follow) a run's log")
+    p.add_argument("run")
+    p.add_argument("-f", "--follow", action="store_true")
+    p.add_argument("--rank", type=int, default=None, help="one rank's log (torchrun runs)")
+    p.add_argument("-n", "--lines", type=int, default=100)
+    p.add_argument("--runs-dir", default=None, help=runs_help)
+    p.set_defaults(func=cmd_logs)
+
+    p = sub.add_parser("stop", help="stop a run gracefully (checkpoint, then exit)")
+    p.add_argument("run")
+    p.add_argument("--force", action="store_true", help="SIGKILL the job if it has not stopped within --timeout")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--runs-dir", default=None, help=runs_help)
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("doctor", help="preflight checks for a config, each with its fix")
+    p.add_argument("config", nargs="?", default=None)
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--quick", action="store_true", help="skip the GPU compile check")
+    p.set_defaults(func=cmd_doctor)
+
     p = sub.add_parser("eval", help="speculative decoding: τ, per-position acceptance, speedup, losslessness")
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--drafter", required=True, help="drafter directory")
@@ -135,7 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`launch cfg.yaml --env A=1 train.lr=1e-4`): argparse leaves them over.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars are noise in run logs

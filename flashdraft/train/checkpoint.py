@@ -8,6 +8,7 @@ previous checkpoints or a complete new one; keep the last K.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -21,6 +22,7 @@ import torch
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.checkpoint import save_drafter
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.run.files import FAULT_ENV
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"
@@ -68,6 +70,8 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         save_drafter(drafter, tmp / "drafter", dtype=torch.float32)
+        if os.environ.get(FAULT_ENV) == f"diskfull@{step}":  # the supervision tests' simulated full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         torch.save({**trainer_state, "rng": rng_state()}, tmp / STATE_NAME)
         if final.exists():
             shutil.rmtree(final)

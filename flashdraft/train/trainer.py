@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from flashdraft.model.checkpoint import (
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, default_gamma
 from flashdraft.model.target import TargetModel, load_target_config
+from flashdraft.run.files import FAULT_ENV, Heartbeat
 from flashdraft.train.checkpoint import load_trainer_state, resolve_resume, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
@@ -50,8 +52,8 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
 
 
 def _fault_hook(step: int) -> None:
-    """Fault injection for the supervision tests (FLASHDRAFT_FAULT=kill@N | raise@N | hang@N)."""
-    fault = os.environ.get("FLASHDRAFT_FAULT", "")
+    """Fault injection for the supervision tests (FLASHDRAFT_FAULT=kill@N | raise@N | hang@N | oom@N)."""
+    fault = os.environ.get(FAULT_ENV, "")
     if not fault or "@" not in fault:
         return
     what, at = fault.split("@", 1)
@@ -64,6 +66,9 @@ def _fault_hook(step: int) -> None:
     if what == "hang":
         while True:
             time.sleep(1)
+    if what == "oom":
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). GPU 0 has a total capacity of 139.80 GiB")
 
 
 def build_drafter(config: Config, target_config) -> DFlashDraftModel:
@@ -94,9 +99,25 @@ def evaluate(objective: Objective, data: TokenDataset, batch_size: int, seed: in
     return {"loss": loss_sum / max(weight_sum, 1e-9), **summarize_acceptance(stats)}
 
 
-def train(config: Config) -> dict[str, Any]:
+class _StopRequest:
+    """SIGTERM asks for a graceful stop: finish the step, write a checkpoint, exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        print(f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+        self.requested = True
+
+
+def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     t = config.train
+    heartbeat = heartbeat or Heartbeat(None)
+    stop = _StopRequest()
     # ------------------------------------------------------------------ setup
+    heartbeat.beat("loading", force=True)
     device = resolve_device(t.device)
     torch.manual_seed(t.seed)
     out_dir = Path(t.out_dir)
@@ -162,6 +183,8 @@ def train(config: Config) -> dict[str, Any]:
           f"({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps", flush=True)
     window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
     drafter.train()
+    heartbeat.beat("compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps)
+    outcome = "finished"
     while step < total_steps:
         started = time.perf_counter()
         micro = []
@@ -188,6 +211,8 @@ def train(config: Config) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         window["time"] += time.perf_counter() - started
 
+        heartbeat.beat("training", step=step, epoch=sampler.epoch, step_seconds=round(time.perf_counter() - started, 4),
+                       max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
         if step % t.log_every == 0 or step == total_steps:
             seconds = max(window["time"], 1e-9)
             metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
@@ -197,15 +222,24 @@ def train(config: Config) -> dict[str, Any]:
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak
             logger.log(step, metrics)
+            heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
             window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
         if eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
+            heartbeat.beat("evaluating")
             result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             logger.log(step, result, kind="eval")
+            heartbeat.beat("training", eval_tau=result["tau"])
             if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
                 best_tau = result["tau"]
                 save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
-        if step % t.save_every == 0 or step == total_steps:
-            save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
+        if step % t.save_every == 0 or step == total_steps or stop.requested:
+            heartbeat.beat("checkpointing")
+            path = save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
+            heartbeat.beat("training", checkpoint=str(path))
+        if stop.requested:
+            outcome = "stopped"
+            print(f"stopped at step {step}; resume with train.resume=auto", flush=True)
+            break
         _fault_hook(step)
     logger.close()
-    return {"steps": step, "out_dir": str(out_dir), "best_tau": best_tau}
+    return {"steps": step, "out_dir": str(out_dir), "best_tau": best_tau, "outcome": outcome}

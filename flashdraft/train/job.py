@@ -1,0 +1,53 @@
+"""`flashdraft train` as a job: crash capture and a final record on every exit path it controls.
+
+faulthandler dumps all threads' stacks on fatal signals; an exception in any thread ends the process
+(instead of leaving a half-dead run); uncaught exceptions are written to error.json, and final.json
+records the outcome (../shared/reference/supervision.md §3.4). Output is flushed line by line.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import traceback
+
+from flashdraft.config import load_config
+from flashdraft.errors import FlashdraftError
+from flashdraft.run.files import RUN_DIR_ENV, Heartbeat
+
+
+def _install_thread_hook(heartbeat: Heartbeat) -> None:
+    def hook(args: threading.ExceptHookArgs) -> None:
+        text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+        print(f"uncaught exception in thread {args.thread.name if args.thread else '?'}:\n{text}", file=sys.stderr, flush=True)
+        heartbeat.error(args.exc_value, text)
+        heartbeat.final("failed", reason=f"exception in thread: {args.exc_type.__name__}: {args.exc_value}")
+        os._exit(1)
+
+    threading.excepthook = hook
+
+
+def run_job(path: str | None, overrides: list[str]) -> dict:
+    heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV))
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    _install_thread_hook(heartbeat)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    heartbeat.beat("starting", force=True)
+    try:
+        from flashdraft.train.trainer import train
+
+        config = load_config(path, overrides)
+        result = train(config, heartbeat=heartbeat)
+    except FlashdraftError as exc:
+        heartbeat.error(exc, "")
+        heartbeat.final("failed", reason=str(exc))
+        raise
+    except BaseException as exc:
+        heartbeat.error(exc, traceback.format_exc())
+        heartbeat.final("failed", reason=f"{type(exc).__name__}: {exc}")
+        raise
+    heartbeat.final(result["outcome"], step=result["steps"])
+    return result
