@@ -1,0 +1,51 @@
+"""Tiny word-level tokenizers with Qwen3-style and Llama-3-style chat templates, built in the test."""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+WORDS = ["user", "assistant", "system", "\n", "\n\n", " ", "hi", "there", "be", "brief", "ok", "sure", "why", "because",
+         "2+2", "4", "thanks", "[UNK]"]
+
+# Qwen3-like: the last assistant turn of a rendering gets an (empty) think block when thinking is off,
+# earlier ones do not: the template rewrites history, as Qwen3's own does.
+QWEN_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.last and enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+LLAMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+LLAMA_GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|eot_id|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
+    specials = QWEN_SPECIALS if style == "qwen" else LLAMA_SPECIALS
+    vocab = {w: i for i, w in enumerate(WORDS + specials)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|\n\n|\n| "
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
+    kwargs = {"unk_token": "[UNK]", "additional_special_tokens": specials}
+    if style == "qwen":
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", **kwargs)
+        fast.chat_template = QWEN_TEMPLATE
+    else:
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", **kwargs)
+        fast.chat_template = LLAMA_GENERATION_TEMPLATE if style == "llama-generation" else LLAMA_TEMPLATE
+    return fast
