@@ -59,6 +59,19 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from flashdraft.data.prepare import PrepareSettings, prepare
+    from flashdraft.data.regenerate import Sampling
+
+    settings = PrepareSettings(
+        max_length=args.max_length, thinking=args.thinking, regenerate=args.regenerate, server_url=args.server_url,
+        server_model=args.server_model, concurrency=args.concurrency, batch_size=args.batch_size, limit=args.limit,
+        chunk=args.chunk, sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                            top_p=args.top_p, top_k=args.top_k, seed=args.seed))
+    prepare(args.inputs, args.target, args.out, settings, command=args.command_line)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from flashdraft.infer.evaluate import EvalSettings, run_eval
 
@@ -158,6 +171,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
 
+    p = sub.add_parser("prepare", help="chat datasets -> target-regenerated responses -> tokenized shards with loss masks")
+    p.add_argument("inputs", nargs="+", help="JSONL / JSON / Parquet files or datasets save_to_disk folders")
+    p.add_argument("--target", required=True, help="target model directory (its tokenizer and chat template)")
+    p.add_argument("--out", required=True, help="output shard directory")
+    p.add_argument("--max-length", type=int, default=3072, help="drop samples longer than this")
+    p.add_argument("--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)")
+    p.add_argument("--regenerate", action="store_true", help="replace every assistant turn with the target's own answer")
+    p.add_argument("--server-url", default=None, help="OpenAI-compatible server (SGLang, vLLM) to regenerate with")
+    p.add_argument("--server-model", default=None, help="model name to send to the server")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight to the server")
+    p.add_argument("--batch-size", type=int, default=64, help="batch size of in-process generation")
+    p.add_argument("--chunk", type=int, default=256, help="conversations per journaled regeneration chunk")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=0, help="use only the first N conversations")
+    p.set_defaults(func=cmd_prepare)
+
     p = sub.add_parser("train", help="train a drafter: flashdraft train CONFIG [key=value ...]")
     p.add_argument("config", nargs="?", default=None, help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
@@ -241,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight-loading bars are noise in run logs
+    args.command_line = "flashdraft " + " ".join(sys.argv[1:] if argv is None else argv)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -1,6 +1,7 @@
 """Tokenized training samples ({input_ids, loss_mask}), the deterministic epoch sampler and collation.
 
-Reads JSONL files (one sample per line) or directories of them. Every malformed line is an error that
+Reads shard directories made by `flashdraft prepare` (their manifest is checked against the target's
+tokenizer), JSONL files (one sample per line), or directories of them. Every malformed line is an error that
 names the file and line; nothing is skipped silently (samples that cannot hold one block are counted
 and reported).
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flashdraft.data.shards import check_manifest, read_manifest
 from flashdraft.errors import FlashdraftError
 
 
@@ -44,11 +46,16 @@ class TokenDataset:
         return len(self.samples)
 
 
-def _files(paths: list[str]) -> list[Path]:
+def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
+        manifest = read_manifest(path) if path.is_dir() else None
+        if manifest is not None:
+            if fingerprint is not None:
+                check_manifest(path, fingerprint, target)
+            files.extend(path / name for name in manifest["shards"])
+        elif path.is_dir():
             found = sorted(path.glob("*.jsonl"))
             if not found:
                 raise FlashdraftError(f"data {path}: directory holds no .jsonl files")
@@ -75,14 +82,15 @@ def _parse(line: str, where: str) -> Sample:
     return Sample(ids, mask)
 
 
-def load_token_dataset(paths: list[str], *, max_length: int, block_size: int, vocab_size: int | None = None) -> TokenDataset:
+def load_token_dataset(paths: list[str], *, max_length: int, block_size: int, vocab_size: int | None = None,
+                       fingerprint: dict[str, str] | None = None, target: str = "the target") -> TokenDataset:
     """Samples truncated to `max_length`; those without one anchor (a supervised token with a whole block
     after it) are dropped and counted in `dropped`."""
     if not paths:
         raise FlashdraftError("data.train: no training data given (set data.train=[file.jsonl, ...])")
     samples: list[Sample] = []
     dropped = {"no_anchor": 0}
-    for file in _files(paths):
+    for file in _files(paths, fingerprint, target):
         with file.open() as handle:
             for number, line in enumerate(handle, 1):
                 if not line.strip():

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import Config, dump_yaml
+from flashdraft.data.render import tokenizer_fingerprint
 from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
 from flashdraft.distributed.parallelize import parallelize, resolve_device
 from flashdraft.errors import FlashdraftError
@@ -69,6 +70,15 @@ def _fault_hook(step: int) -> None:
     if what == "oom":
         raise torch.cuda.OutOfMemoryError(
             f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). GPU 0 has a total capacity of 139.80 GiB")
+
+
+def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
+    """Hashes of the target's tokenizer and template, to check prepared shards against (None: no tokenizer)."""
+    if not any((Path(target) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
 
 
 def build_drafter(config: Config, target_config) -> DFlashDraftModel:
@@ -135,10 +145,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     gamma = t.gamma or default_gamma(spec.block_size)
 
     # ------------------------------------------------------------------ data
-    train_data = load_token_dataset(config.data.train, max_length=config.data.max_length,
-                                    block_size=spec.block_size, vocab_size=target.vocab_size)
-    eval_data = (load_token_dataset(config.data.eval, max_length=config.data.max_length, block_size=spec.block_size,
-                                    vocab_size=target.vocab_size) if config.data.eval else None)
+    data_kwargs = {"max_length": config.data.max_length, "block_size": spec.block_size, "vocab_size": target.vocab_size,
+                   "fingerprint": target_tokenizer_fingerprint(config.model.target), "target": config.model.target}
+    train_data = load_token_dataset(config.data.train, **data_kwargs)
+    eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
     sampler = EpochSampler(len(train_data), t.batch_size, t.seed)
 
     # ------------------------------------------------------------------ placement and compile (one place)

@@ -82,5 +82,5 @@ def test_llama3_style_multi_turn_with_and_without_generation_markers(style):
 
 
 def test_no_assistant_turn_is_an_error():
-    with pytest.raises(FlashdraftError, match="f.jsonl line 2: no assistant turn"):
+    with pytest.raises(FlashdraftError, match=r"f\.jsonl line 2: no assistant turn"):
         render_conversation(make_tokenizer("qwen"), [{"role": "user", "content": "hi"}], None, "f.jsonl line 2")

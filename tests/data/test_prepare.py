@@ -1,0 +1,197 @@
+"""`flashdraft prepare` end to end: shapes in, shards + manifest out, bad input named, regeneration through
+an OpenAI-compatible server and in-process, resumable after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from flashdraft.bench.tiny import save_tiny_target
+from flashdraft.cli import main
+from flashdraft.config import load_config
+from flashdraft.data.regenerate import read_journal
+from flashdraft.errors import FlashdraftError
+from flashdraft.train.trainer import train
+
+from .helpers import make_tokenizer
+
+CONVS = [
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                  {"role": "assistant", "content": "hi there"}]},
+    {"conversations": [{"from": "human", "value": "2+2"}, {"from": "gpt", "value": "4"},
+                       {"from": "human", "value": "why"}, {"from": "gpt", "value": "because"}]},
+    {"prompt": "why", "response": "because 2+2 4"},
+    {"messages": [{"role": "user", "content": "thanks"}]},  # no assistant turn
+]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """A tiny Qwen3 target whose tokenizer is the Qwen-style word tokenizer (vocab fits the embedding)."""
+    return save_tiny_target(tmp_path_factory.mktemp("t") / "target", "qwen3", vocab_size=64, hidden_size=32,
+                            num_layers=4, tokenizer=make_tokenizer("qwen"))
+
+
+def _write(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prepare_writes_shards_manifest_and_trains(tmp_path, target, capsys):
+    data = _write(tmp_path / "in.jsonl", CONVS * 4)
+    out = tmp_path / "shards"
+    assert main(["prepare", str(data), "--target", str(target), "--out", str(out), "--thinking", "on"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == 12 and manifest["dropped"] == {"no assistant turn": 4}
+    assert manifest["tokens"] > manifest["supervised_tokens"] > 0 and len(manifest["tokenizer_sha256"]) == 64
+    assert "prepare" in manifest["command"] and manifest["shards"] == ["shard-00000.jsonl"]
+    first = json.loads((out / "shard-00000.jsonl").read_text().splitlines()[0])
+    assert len(first["input_ids"]) == len(first["loss_mask"]) == 22 and sum(first["loss_mask"]) == 4
+    printed = capsys.readouterr().out
+    assert "samples kept" in printed and "supervised fraction" in printed
+
+    run = tmp_path / "run"
+    train(load_config(None, [f"model.target={target}", "model.mask_token_id=60", "model.num_layers=1", "model.block_size=2",
+                             f"data.train=[{out}]", f"train.out_dir={run}", "train.max_steps=2", "train.num_anchors=4",
+                             "train.device=cpu", "train.resume=never"]))
+    assert (run / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_shards_from_another_tokenizer_are_refused(tmp_path, target):
+    data = _write(tmp_path / "in.jsonl", CONVS)
+    other = save_tiny_target(tmp_path / "other", "qwen3", vocab_size=64, hidden_size=32, num_layers=4,
+                             tokenizer=make_tokenizer("llama"))
+    out = tmp_path / "shards"
+    assert main(["prepare", str(data), "--target", str(other), "--out", str(out)]) == 0
+    with pytest.raises(FlashdraftError, match="made with another tokenizer"):
+        train(load_config(None, [f"model.target={target}", "model.mask_token_id=60", f"data.train=[{out}]",
+                                 f"train.out_dir={tmp_path / 'run'}", "train.device=cpu"]))
+
+
+def test_over_long_samples_are_dropped_with_the_reason(tmp_path, target, capsys):
+    data = _write(tmp_path / "in.jsonl", CONVS[:3])
+    assert main(["prepare", str(data), "--target", str(target), "--out", str(tmp_path / "s"), "--max-length", "23"]) == 0
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["dropped"] == {"longer than 23 tokens": 1} and manifest["samples"] == 2
+    assert "longer than 23 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "in.jsonl line 2: invalid JSON"),
+    ('{"messages": []}\n', "in.jsonl line 1: empty conversation"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}\n', "in.jsonl line 1: message 0 has unknown role 'wizard'"),
+])
+def test_bad_input_is_named_and_nothing_is_written(tmp_path, target, capsys, bad, needle):
+    (tmp_path / "in.jsonl").write_text(bad)
+    assert main(["prepare", str(tmp_path / "in.jsonl"), "--target", str(target), "--out", str(tmp_path / "s")]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "s" / "manifest.json").exists() and not list(tmp_path.glob("s/shard-*"))
+
+
+def test_parquet_and_datasets_folders(tmp_path, target):
+    import datasets
+
+    rows = [{"messages": c["messages"]} for c in CONVS[:1]] * 3
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "in.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    for source in ("in.parquet", "ds"):
+        out = tmp_path / f"out-{source}"
+        assert main(["prepare", str(tmp_path / source), "--target", str(target), "--out", str(out)]) == 0
+        assert json.loads((out / "manifest.json").read_text())["samples"] == 3
+
+
+class _Replies(BaseHTTPRequestHandler):
+    delay = 0.0
+    seen: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body)
+        time.sleep(type(self).delay)
+        answer = "ok" if len(body["messages"]) < 3 else "sure"
+        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def server():
+    _Replies.seen, _Replies.delay = [], 0.0
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Replies)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", _Replies
+    httpd.shutdown()
+
+
+def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server):
+    url, handler = server
+    data = _write(tmp_path / "in.jsonl", CONVS)
+    out = tmp_path / "s"
+    assert main(["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate", "--server-url", url,
+                 "--thinking", "off", "--temperature", "0.7", "--concurrency", "4"]) == 0
+    done = read_journal(out / "regenerated.jsonl")
+    assert [m["content"] for m in done[1] if m["role"] == "assistant"] == ["ok", "sure"]  # turn 2 sees regenerated turn 1
+    assert done[3][-1] == {"role": "assistant", "content": "ok"}  # prompt-only conversations get an answer too
+    assert all(b["chat_template_kwargs"] == {"enable_thinking": False} and b["temperature"] == 0.7 for b in handler.seen)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["regeneration"]["engine"] == "server" and manifest["regeneration"]["temperature"] == 0.7
+    assert manifest["samples"] >= 4
+
+
+def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path, target, server):
+    url, handler = server
+    handler.delay = 0.15
+    data = _write(tmp_path / "in.jsonl", [CONVS[0]] * 24)
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "flashdraft", "prepare", str(data), "--target", str(target), "--out", str(out),
+           "--regenerate", "--server-url", url, "--chunk", "4", "--concurrency", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    journal = out / "regenerated.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and len(read_journal(journal)) < 8:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kept = read_journal(journal)
+    assert 8 <= len(kept) < 24 and not (out / "manifest.json").exists()
+    asked_before = len(handler.seen)
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    lines = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
+    indices = [r["index"] for r in lines]
+    assert sorted(indices) == list(range(24)) and len(indices) == len(set(indices))  # no duplicate, no loss
+    assert len(handler.seen) - asked_before == 24 - len(kept)  # finished ones were not asked again
+    assert json.loads((out / "manifest.json").read_text())["samples"] == 24
+
+
+def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, target):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    data = _write(tmp_path / "in.jsonl", [CONVS[0]])
+    out = tmp_path / "s"
+    assert main(["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate", "--max-new-tokens", "6"]) == 0
+    answer = read_journal(out / "regenerated.jsonl")[0][-1]["content"]
+    tok = make_tokenizer("qwen")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    prompt = tok.apply_chat_template(CONVS[0]["messages"][:2], add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    # an explicit mask: the prompt contains the eos id, which generate() would otherwise take for padding
+    expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert answer == tok.decode(expected[0, len(prompt):], skip_special_tokens=True)
