@@ -86,14 +86,19 @@ class LocalEngine:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    @torch.inference_mode()
     def complete(self, conversations: list[Messages]) -> list[str]:
-        prompts = [self._prompt(m) for m in conversations]
+        outputs = self.generate_ids([self._prompt(m) for m in conversations])
+        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]]) -> list[list[int]]:
+        """New token ids per prompt: length-sorted batches, left padding, stop at the end-of-turn token."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list[str] = [""] * len(prompts)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        out: list[list[int]] = [[] for _ in prompts]
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        pad = 0 if self.tokenizer is None else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
         s = self.sampling
-        gen_kwargs = {"max_new_tokens": s.max_new_tokens, "do_sample": s.temperature > 0, "pad_token_id": pad}
+        gen_kwargs = {"max_new_tokens": s.max_new_tokens, "do_sample": s.temperature > 0, "pad_token_id": pad, "eos_token_id": eos}
         if s.temperature > 0:
             gen_kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
         if self.on_gpu:
@@ -102,7 +107,7 @@ class LocalEngine:
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
             width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            ids = torch.full((len(batch), width), pad or 0, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
                 ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
@@ -110,7 +115,8 @@ class LocalEngine:
             torch.manual_seed(s.seed + start)
             generated = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs)
             for row, i in enumerate(batch):
-                out[i] = self.tokenizer.decode(generated[row, width:], skip_special_tokens=True)
+                new = generated[row, width:].tolist()
+                out[i] = new[: new.index(eos) + 1] if eos is not None and eos in new else new
         return out
 
     def describe(self) -> dict:
