@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quickstart", help="build a tiny target, train a drafter on it end to end, report")
     p.add_argument("--out", default="runs/quickstart", help="output directory")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
     p.set_defaults(func=cmd_quickstart)
 
     p = sub.add_parser("init", help="create a new drafter directory for a target")
