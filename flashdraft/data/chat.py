@@ -24,29 +24,42 @@ class Conversation:
     where: str
 
 
+# list key -> (role field, content field, role names mapped to OpenAI roles or None to keep them)
+_TURN_LISTS = {"messages": ("role", "content", None), "conversations": ("from", "value", _SHAREGPT_ROLES)}
+
+
+def _turns(raw, shape: str, where: str) -> list[dict[str, str]]:
+    role_key, content_key, role_map = _TURN_LISTS[shape]
+    messages = []
+    for i, m in enumerate(raw if isinstance(raw, list) else []):
+        if not isinstance(m, dict) or role_key not in m or content_key not in m:
+            raise FlashdraftError(f"{where}: {shape}[{i}] needs '{role_key}' and '{content_key}'")
+        role = m[role_key] if role_map is None else role_map.get(str(m[role_key]).lower())
+        if role is None:
+            raise FlashdraftError(f"{where}: {shape}[{i}] has unknown role {m[role_key]!r}")
+        messages.append({"role": role, "content": m[content_key]})
+    return messages
+
+
+def parse_json_object(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise FlashdraftError(f"{where}: invalid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise FlashdraftError(f"{where}: expected a JSON object")
+    return record
+
+
 def normalise(record: dict, where: str) -> Conversation:
     if "input_ids" in record:
         ids = record["input_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
             raise FlashdraftError(f"{where}: 'input_ids' must be a non-empty list of non-negative integers")
         return Conversation(None, ids, where)
-    if "messages" in record:
-        raw = record["messages"]
-        messages = []
-        for i, m in enumerate(raw if isinstance(raw, list) else []):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise FlashdraftError(f"{where}: messages[{i}] needs 'role' and 'content'")
-            messages.append({"role": m["role"], "content": m["content"]})
-    elif "conversations" in record:
-        raw = record["conversations"]
-        messages = []
-        for i, m in enumerate(raw if isinstance(raw, list) else []):
-            if not isinstance(m, dict) or "from" not in m or "value" not in m:
-                raise FlashdraftError(f"{where}: conversations[{i}] needs 'from' and 'value'")
-            role = _SHAREGPT_ROLES.get(str(m["from"]).lower())
-            if role is None:
-                raise FlashdraftError(f"{where}: conversations[{i}] has unknown role {m['from']!r}")
-            messages.append({"role": role, "content": m["value"]})
+    shape = next((key for key in _TURN_LISTS if key in record), None)
+    if shape is not None:
+        messages = _turns(record[shape], shape, where)
     elif "prompt" in record:
         messages = [{"role": "user", "content": record["prompt"]}]
         if record.get("response") is not None:
@@ -79,15 +92,8 @@ def read_records(path: str | Path) -> list[tuple[dict, str]]:
         return [(r, f"{path} item {i}") for i, r in enumerate(data)]
     records = []
     for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise FlashdraftError(f"{path} line {number}: invalid JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise FlashdraftError(f"{path} line {number}: expected a JSON object")
-        records.append((record, f"{path} line {number}"))
+        if line.strip():
+            records.append((parse_json_object(line, f"{path} line {number}"), f"{path} line {number}"))
     return records
 
 

@@ -8,7 +8,6 @@ and reported).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flashdraft.data.chat import parse_json_object
 from flashdraft.data.shards import check_manifest, read_manifest
 from flashdraft.errors import FlashdraftError
 
@@ -68,12 +68,7 @@ def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) ->
 
 
 def _parse(line: str, where: str) -> Sample:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise FlashdraftError(f"{where}: invalid JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise FlashdraftError(f"{where}: expected an object with input_ids and loss_mask")
+    record = parse_json_object(line, where)
     ids, mask = record.get("input_ids"), record.get("loss_mask")
     if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
         raise FlashdraftError(f"{where}: 'input_ids' must be a list of non-negative integers")
