@@ -66,7 +66,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     settings = PrepareSettings(
         max_length=args.max_length, thinking=args.thinking, regenerate=args.regenerate, server_url=args.server_url,
         server_model=args.server_model, concurrency=args.concurrency, batch_size=args.batch_size, limit=args.limit,
-        chunk=args.chunk, sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        chunk=args.chunk, skip_bad_records=args.skip_bad_records, sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                             top_p=args.top_p, top_k=args.top_k, seed=args.seed))
     prepare(args.inputs, args.target, args.out, settings, command=args.command_line)
     return 0
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0, help="use only the first N conversations")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="skip malformed or invalid records (each reported with file and line) instead of stopping")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train a drafter: flashdraft train CONFIG [key=value ...]")

@@ -7,6 +7,7 @@ pairs, and pre-tokenized `input_ids`. Errors name the file and line.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +77,9 @@ def normalise(record: dict, where: str) -> Conversation:
     return Conversation(messages, None, where)
 
 
-def read_records(path: str | Path) -> list[tuple[dict, str]]:
-    """(record, 'file line N') from a JSONL file, or from a JSON file holding a list."""
+def read_records(path: str | Path, on_error: Callable[[FlashdraftError], None] | None = None) -> list[tuple[dict, str]]:
+    """(record, 'file line N') from a JSONL file, or from a JSON file holding a list. A malformed line is an
+    error naming file and line, or, with `on_error`, reported to it and skipped (the other lines are kept)."""
     path = Path(path)
     if not path.is_file():
         raise FlashdraftError(f"{path}: no such file")
@@ -92,8 +94,14 @@ def read_records(path: str | Path) -> list[tuple[dict, str]]:
         return [(r, f"{path} item {i}") for i, r in enumerate(data)]
     records = []
     for number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             records.append((parse_json_object(line, f"{path} line {number}"), f"{path} line {number}"))
+        except FlashdraftError as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
     return records
 
 

@@ -31,6 +31,7 @@ class PrepareSettings:
     limit: int = 0
     min_supervised: int = 1
     chunk: int = 256
+    skip_bad_records: bool = False
     sampling: Sampling | None = None
 
 
@@ -49,11 +50,25 @@ def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings,
     tokenizer = load_tokenizer(target)
     out_dir = Path(out)
     dropped: Counter[str] = Counter()
+    bad_records: list[str] = []
+
+    def skip(exc: FlashdraftError) -> None:  # --skip-bad-records: report, count, carry on
+        dropped["bad record"] += 1
+        bad_records.append(str(exc))
+        console.print(f"[yellow]skipped[/] {exc}")
+
+    on_error = skip if settings.skip_bad_records else None
     conversations = []
-    for record, where in iter_records(inputs):
+    for record, where in iter_records(inputs, on_error):
         if settings.limit and len(conversations) >= settings.limit:
             break
-        conv = normalise(record, where)
+        try:
+            conv = normalise(record, where)
+        except FlashdraftError as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+            continue
         if conv.messages is None:
             raise FlashdraftError(f"{where}: pre-tokenized records cannot be rendered; give conversations")
         if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
@@ -99,14 +114,14 @@ def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings,
         "thinking": settings.thinking, "max_length": settings.max_length, "inputs": [str(p) for p in inputs],
         "conversations": len(conversations), "samples": len(samples), "dropped": dict(dropped),
         "tokens": total, "supervised_tokens": supervised, "regeneration": sampling_record,
-        "command": command or " ".join(sys.argv),
+        "command": command or " ".join(sys.argv), "bad_records": bad_records[:100],
     }
     write_shards(out_dir, samples, manifest)
 
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row("conversations read", str(len(conversations) + sum(v for k, v in dropped.items() if k == "no assistant turn")))
+    table.add_row("records read", str(len(conversations) + dropped["no assistant turn"] + dropped["bad record"]))
     table.add_row("samples kept", str(len(samples)))
     for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))

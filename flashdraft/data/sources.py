@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from flashdraft.data.chat import read_records
 from flashdraft.errors import FlashdraftError
 
 
-def iter_records(paths: list[str]) -> Iterator[tuple[dict, str]]:
-    """(record, where) for every record of every input, in order; `where` names file and line or row."""
+def iter_records(paths: list[str], on_error: Callable[[FlashdraftError], None] | None = None) -> Iterator[tuple[dict, str]]:
+    """(record, where) for every record of every input, in order; `where` names file and line or row.
+    Malformed JSON lines raise, or go to `on_error` and are skipped."""
     for raw in paths:
         path = Path(raw)
         markers = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -20,11 +21,11 @@ def iter_records(paths: list[str]) -> Iterator[tuple[dict, str]]:
             files = sorted([*path.glob("*.jsonl"), *path.glob("*.json"), *path.glob("*.parquet")])
             if not files:
                 raise FlashdraftError(f"{path}: no .jsonl, .json or .parquet files")
-            yield from iter_records([str(f) for f in files])
+            yield from iter_records([str(f) for f in files], on_error)
         elif path.suffix == ".parquet":
             yield from _from_parquet(path)
         elif path.is_file():
-            yield from read_records(path)
+            yield from read_records(path, on_error)
         else:
             raise FlashdraftError(f"{path}: no such file or directory")
 

@@ -98,6 +98,18 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path, target, capsys, bad
     assert not (tmp_path / "s" / "manifest.json").exists() and not list(tmp_path.glob("s/shard-*"))
 
 
+def test_skip_bad_records_reports_each_and_keeps_the_other_lines(tmp_path, target, capsys):
+    lines = [json.dumps(CONVS[0]), '{"messages": [', json.dumps(CONVS[2]), '{"messages": [{"role": "wizard", "content": "x"}]}']
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "s"
+    assert main(["prepare", str(tmp_path / "in.jsonl"), "--target", str(target), "--out", str(out), "--skip-bad-records"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["samples"] == 2 and manifest["dropped"] == {"bad record": 2}
+    assert manifest["bad_records"][0].endswith("in.jsonl line 2: invalid JSON (Expecting value)")
+    assert "in.jsonl line 4: message 0 has unknown role 'wizard'" in manifest["bad_records"][1]
+    assert "skipped" in capsys.readouterr().out
+
+
 def test_parquet_and_datasets_folders(tmp_path, target):
     import datasets
 

@@ -109,3 +109,16 @@ def test_schedule_warms_up_then_decays_to_floor():
     values = [lr_lambda(s, 100, 0.04, 0.1) for s in range(100)]
     assert values[0] == 0.25 and values[3] == 1.0 and values[4] == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(values[3:])) and values[-1] > 0.1
+
+
+def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3_target, train_file):
+    from flashdraft.model.checkpoint import load_drafter
+
+    out = tmp_path / "run"
+    train(load_config(None, _overrides(qwen3_target, train_file, out, **{
+        "train.max_steps": 12, "train.eval_every": 4, "data.eval": f"[{train_file}]", "train.lr": 5e-3})))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8, 12] and all(1.0 <= r["tau"] <= 4.0 and "acc@1" in r for r in evals)
+    best = load_drafter(out / "best")
+    assert best.spec.block_size == 4
