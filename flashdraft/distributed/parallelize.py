@@ -88,8 +88,7 @@ def parallelize(
         guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
-        loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True, dynamic=False)
-        loss.static_shapes = True
+        loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True)
     if attention == "flex":
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 

@@ -61,18 +61,14 @@ class WeightedHeadLoss:
         self.chunk = chunk
         self.multiplier = multiplier
         self.chunk_fn = chunk_fn
-        self.static_shapes = False  # set when chunk_fn is compiled: pad every call to whole chunks
 
     def __call__(self, hidden: Tensor, head_weight: Tensor, labels: Tensor, row_weights: Tensor) -> tuple[Tensor, Tensor]:
         """hidden [T, H] rows with non-zero weight; returns (Σ w·CE as fp32 scalar, correct [T] bool)."""
         rows = hidden.shape[0]
         if rows == 0:
             return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
-        pad = (-rows) % self.chunk if self.static_shapes else 0
-        if pad:  # fixed chunk shapes: one compiled kernel, no recompiles; padded rows carry weight 0
-            hidden = F.pad(hidden, (0, 0, 0, pad))
-            labels = F.pad(labels, (0, pad))
-            row_weights = F.pad(row_weights, (0, pad))
+        # No padding to whole chunks (it cost ~6% of the head's FLOPs): full chunks run the graph compiled
+        # for `chunk` rows, and the remainder one dynamic-shape graph compiled once.
         total, correct = _FusedLinearCrossEntropy.apply(
             hidden, head_weight, labels, row_weights.float(), self.chunk, self.multiplier, self.chunk_fn
         )
