@@ -102,7 +102,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         env[key] = value
     info = launch(path, overrides, runs_dir=args.runs_dir, name=args.name, python=args.python, env=env,
                   wait=not args.no_wait, wait_timeout=args.wait_timeout, stall_seconds=args.stall_seconds,
-                  doctor=not args.skip_doctor)
+                  doctor=not args.skip_doctor, nproc_per_node=args.nproc_per_node)
     if args.json:
         print(json.dumps(info, indent=1, default=str))
     else:
@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to wait for the job to come up")
     p.add_argument("--stall-seconds", type=float, default=600.0, help="heartbeat age after which a live job counts as hung")
     p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel processes (one per GPU) through torchrun")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)
 

@@ -37,11 +37,15 @@ def _git_commit(cwd: Path) -> str | None:
         return None
 
 
-def _gpus(device: str, env: dict[str, str]) -> list[str]:
+def _gpus(device: str, env: dict[str, str], nproc: int = 1) -> list[str]:
+    """The physical GPUs the job will hold (by CUDA_VISIBLE_DEVICES entry when set)."""
     if device == "cpu":
         return []
     visible = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     index = device.split(":", 1)[1] if device.startswith("cuda:") else "0"
+    if nproc > 1:  # rank r uses local GPU r
+        ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(nproc)]
+        return ids[:nproc]
     if visible:
         ids = [v.strip() for v in visible.split(",") if v.strip()]
         return [ids[int(index)]] if index.isdigit() and int(index) < len(ids) else ids
@@ -78,6 +82,7 @@ def launch(
     wait_timeout: float = 600.0,
     stall_seconds: float = 600.0,
     doctor: bool = True,
+    nproc_per_node: int = 1,
 ) -> dict[str, Any]:
     env = dict(env or {})
     root = runs_root(runs_dir)
@@ -89,11 +94,17 @@ def launch(
     log.write(f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {config_path or ''} {' '.join(overrides)}\n".encode())
     cwd = Path.cwd()
     job_python = python or sys.executable
-    job_cmd = [job_python, "-X", "faulthandler", "-u", "-m", "flashdraft", "train", str(run_dir / "config.yaml")]
+    train_args = ["-m", "flashdraft", "train", str(run_dir / "config.yaml")]
+    if nproc_per_node > 1:  # one process per GPU; torchrun keeps per-rank logs in the run directory
+        job_cmd = [job_python, "-X", "faulthandler", "-u", "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc_per_node}", f"--log-dir={run_dir / 'torchrun'}", "--redirects=3", "--tee=3",
+                   *train_args]
+    else:
+        job_cmd = [job_python, "-X", "faulthandler", "-u", *train_args]
     launch_record = {
         "run_id": run_id, "run_dir": str(run_dir), "created": time.time(), "argv": sys.argv, "config": config_path,
         "overrides": overrides, "cwd": str(cwd), "python": job_python, "host": socket.gethostname(), "boot_id": boot_id(),
-        "git_commit": _git_commit(cwd), "job_cmd": job_cmd, "stall_seconds": stall_seconds,
+        "git_commit": _git_commit(cwd), "job_cmd": job_cmd, "stall_seconds": stall_seconds, "nproc_per_node": nproc_per_node,
         "env": {**{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
                 **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, **env},
     }
@@ -105,7 +116,7 @@ def launch(
     except FlashdraftError as exc:
         return _fail(run_dir, log, str(exc))
     (run_dir / "config.yaml").write_text(dump_yaml(config))
-    launch_record["gpus"] = _gpus(config.train.device, env)
+    launch_record["gpus"] = _gpus(config.train.device, env, nproc_per_node)
     write_json(run_dir / "launch.json", launch_record)
 
     if doctor:

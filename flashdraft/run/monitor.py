@@ -146,23 +146,39 @@ def is_live(info: dict[str, Any]) -> bool:
     return info["state"] not in (*FINAL_STATES, "lost")
 
 
+def rank_logs(run_dir: Path, rank: int) -> list[Path]:
+    """torchrun's per-rank logs (stdout, stderr) of the latest attempt: <run>/torchrun/<id>/attempt_<n>/<rank>/."""
+    found = sorted(run_dir.glob(f"torchrun/*/attempt_*/{rank}"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FlashdraftError(f"run {run_dir.name}: no log for rank {rank} (per-rank logs exist for --nproc-per-node runs; "
+                              f"the combined log is {LOG_NAME})")
+    return [found[-1] / "stdout.log", found[-1] / "stderr.log"]
+
+
 def follow_log(run_dir: Path, rank: int | None, lines: int, follow: bool) -> None:
-    path = run_dir / LOG_NAME if rank is None else run_dir / f"rank{rank}" / "stdout.log"
-    if not path.exists():
-        raise FlashdraftError(f"{path}: no such log (per-rank logs exist for torchrun runs; the combined log is {LOG_NAME})")
-    for line in log_tail(run_dir, lines) if rank is None else path.read_text(errors="replace").splitlines()[-lines:]:
-        print(line)
-    if not follow:
-        return
-    with path.open("r", errors="replace") as handle:
+    paths = [run_dir / LOG_NAME] if rank is None else rank_logs(run_dir, rank)
+    handles = []
+    for path in paths:
+        if not path.exists():
+            continue
+        if len(paths) > 1:
+            print(f"==> {path} <==")
+        for line in path.read_text(errors="replace").splitlines()[-lines:]:
+            print(line)
+        handle = path.open("r", errors="replace")
         handle.seek(0, 2)
-        while True:
+        handles.append(handle)
+    while follow:
+        idle = True
+        for handle in handles:
             line = handle.readline()
             if line:
                 print(line, end="", flush=True)
-                continue
+                idle = False
+        if idle:
             if not is_live(run_state(run_dir)):
-                print(handle.read(), end="")
+                for handle in handles:
+                    print(handle.read(), end="")
                 return
             time.sleep(0.5)
 

@@ -30,7 +30,7 @@ def _install_thread_hook(heartbeat: Heartbeat) -> None:
 
 
 def run_job(path: str | None, overrides: list[str]) -> dict:
-    heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV))
+    heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV), rank=int(os.environ.get("RANK", "0")))
     faulthandler.enable(file=sys.stderr, all_threads=True)
     _install_thread_hook(heartbeat)
     if hasattr(sys.stdout, "reconfigure"):

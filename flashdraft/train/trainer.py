@@ -20,7 +20,15 @@ import torch
 from flashdraft.config import Config, dump_yaml
 from flashdraft.data.render import tokenizer_fingerprint
 from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
-from flashdraft.distributed.parallelize import parallelize, resolve_device
+from flashdraft.distributed.parallelize import parallelize
+from flashdraft.distributed.topology import (
+    all_reduce_sum,
+    any_rank,
+    barrier,
+    init_topology,
+    shutdown,
+    sum_gradients,
+)
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.checkpoint import (
     check_against_target,
@@ -52,13 +60,15 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _fault_hook(step: int) -> None:
-    """Fault injection for the supervision tests (FLASHDRAFT_FAULT=kill@N | raise@N | hang@N | oom@N)."""
+def _fault_hook(step: int, rank: int = 0) -> None:
+    """Fault injection for the supervision tests: FLASHDRAFT_FAULT=kill@N | raise@N | hang@N | oom@N, or
+    e.g. raise@N:R for rank R only."""
     fault = os.environ.get(FAULT_ENV, "")
     if not fault or "@" not in fault:
         return
     what, at = fault.split("@", 1)
-    if int(at) != step:
+    at, _, only_rank = at.partition(":")
+    if int(at) != step or (only_rank and int(only_rank) != rank):
         return
     if what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -79,6 +89,25 @@ def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
     from transformers import AutoTokenizer
 
     return tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
+
+
+def _reduce_window(window: dict[str, Any], device: torch.device, topo, block_size: int) -> dict[str, Any]:
+    """Sum a logging window's local counters over ranks (Σw is already global)."""
+    if not topo.distributed:
+        return window
+    if window["stats"] is None:  # this rank had no samples in the window
+        zeros = torch.zeros(block_size - 1, dtype=torch.float64)
+        window["stats"] = {"correct_at": zeros, "supervised_at": zeros.clone(), "accepted_sum": torch.zeros((), dtype=torch.float64),
+                           "blocks": torch.zeros((), dtype=torch.float64)}
+    keys = sorted(window["stats"])
+    flat = [window["loss_sum"], float(window["blocks"]), window["flops"], *[float(v) for k in keys for v in window["stats"][k].flatten()]]
+    flat = all_reduce_sum(flat, device, topo)
+    stats, i = {}, 3
+    for k in keys:
+        n = window["stats"][k].numel()
+        stats[k] = torch.tensor(flat[i : i + n], dtype=torch.float64).view_as(window["stats"][k])
+        i += n
+    return {**window, "loss_sum": flat[0], "blocks": int(flat[1]), "flops": flat[2], "stats": stats}
 
 
 def build_drafter(config: Config, target_config) -> DFlashDraftModel:
@@ -128,11 +157,12 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     stop = _StopRequest()
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
-    device = resolve_device(t.device)
+    topo, device = init_topology(t.device)  # one process per GPU under torchrun; plain single process otherwise
     torch.manual_seed(t.seed)
     out_dir = Path(t.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(dump_yaml(config))
+    if topo.is_main:
+        (out_dir / "config.yaml").write_text(dump_yaml(config))
     if not config.model.target:
         raise FlashdraftError("model.target: no target model directory given (set model.target=/path/to/model)")
 
@@ -149,7 +179,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                    "fingerprint": target_tokenizer_fingerprint(config.model.target), "target": config.model.target}
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    sampler = EpochSampler(len(train_data), t.batch_size, t.seed)
+    sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)  # the global batch; rank r takes r::world
 
     # ------------------------------------------------------------------ placement and compile (one place)
     loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
@@ -160,7 +190,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                           autocast_dtype=placement.autocast_dtype)
 
     # ------------------------------------------------------------------ optimizer and schedule
-    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum))
+    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
     total_steps = t.max_steps or t.epochs * steps_per_epoch
     params = list(drafter.parameters())
     optimizer = make_adamw(params, lr=t.lr, weight_decay=t.weight_decay, device=device)
@@ -179,18 +209,21 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step, best_tau = state["step"], state.get("best_tau", -math.inf)
-        print(f"resumed from {resume_from} at step {step}", flush=True)
+        if topo.is_main:
+            print(f"resumed from {resume_from} at step {step}", flush=True)
 
     def trainer_state() -> dict[str, Any]:
         return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "sampler": sampler.state_dict(), "best_tau": best_tau, "total_steps": total_steps}
 
     # ------------------------------------------------------------------ loop
-    logger = MetricsLogger(out_dir, total_steps)
+    logger = MetricsLogger(out_dir, total_steps) if topo.is_main else None
     peak = peak_tflops(device)
-    print(f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
-          f"({placement.attention} attention, compiled={placement.compiled}); {len(train_data)} samples "
-          f"({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps", flush=True)
+    if topo.is_main:
+        print(f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
+              f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
+              f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps",
+              flush=True)
     window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
     drafter.train()
     heartbeat.beat("compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps)
@@ -200,10 +233,12 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         micro = []
         for _ in range(t.grad_accum):
             epoch, indices = sampler.next_batch()
-            batch = collate(train_data, epoch, indices, t.seed, placement.pad_multiple).to(device)
-            micro.append((batch, objective.blocks(batch)))
-        # Normalise by the whole step's Σw so accumulation equals one large batch exactly.
-        total_weight = sum(float(blocks.weights.sum()) for _, blocks in micro)
+            mine = indices[topo.rank :: topo.world_size]
+            if mine:  # at an epoch's end a rank can be left without samples; it still joins the reductions
+                batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple).to(device)
+                micro.append((batch, objective.blocks(batch)))
+        # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
+        (total_weight,) = all_reduce_sum([sum(float(blocks.weights.sum()) for _, blocks in micro)], device, topo)
         for batch, blocks in micro:
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
@@ -213,6 +248,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, out.ctx_tokens,
                                           int((blocks.weights > 0).sum()), target.vocab_size).total
         window["weight"] += total_weight
+        sum_gradients(params, topo)
         grad_norm = clip_and_step(optimizer, params, t.grad_clip)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -225,16 +261,18 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                        max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
         if step % t.log_every == 0 or step == total_steps:
             seconds = max(window["time"], 1e-9)
+            window = _reduce_window(window, device, topo, spec.block_size)
             metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
                        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "epoch": sampler.epoch,
                        "block_tok_s": window["blocks"] * spec.block_size / seconds,
                        "tflops": window["flops"] / seconds / 1e12}
             if peak:
-                metrics["mfu"] = metrics["tflops"] / peak
-            logger.log(step, metrics)
+                metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
+            if logger is not None:
+                logger.log(step, metrics)
             heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
             window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
-        if eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
+        if topo.is_main and eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
             heartbeat.beat("evaluating")
             result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             logger.log(step, result, kind="eval")
@@ -242,14 +280,18 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
                 best_tau = result["tau"]
                 save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
-        if step % t.save_every == 0 or step == total_steps or stop.requested:
+        stopping = any_rank(stop.requested, device, topo)  # every rank leaves the loop at the same step
+        if topo.is_main and (step % t.save_every == 0 or step == total_steps or stopping):
             heartbeat.beat("checkpointing")
             path = save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
             heartbeat.beat("training", checkpoint=str(path))
-        if stop.requested:
+        if stopping:
             outcome = "stopped"
             print(f"stopped at step {step}; resume with train.resume=auto", flush=True)
             break
-        _fault_hook(step)
-    logger.close()
+        _fault_hook(step, topo.rank)
+    if logger is not None:
+        logger.close()
+    barrier(topo)
+    shutdown(topo)
     return {"steps": step, "out_dir": str(out_dir), "best_tau": best_tau, "outcome": outcome}

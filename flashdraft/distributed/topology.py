@@ -1,0 +1,91 @@
+"""Process topology for data-parallel training: one process per GPU under torchrun (multi-node is
+torchrun's job). Each process holds the target and a drafter replica on its own GPU; gradients are
+summed across processes after the local backward, so N processes with batch b train exactly like one
+process with batch N·b (../shared/reference/supervision.md §1.4: processes, never threads).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from flashdraft.distributed.parallelize import resolve_device
+from flashdraft.errors import FlashdraftError
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topology, torch.device]:
+    """Read torchrun's environment; a single process needs no process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Topology(), resolve_device(device_name)
+    topo = Topology(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = device_name != "cpu" and torch.cuda.is_available()
+    if device_name.startswith("cuda") and not torch.cuda.is_available():
+        raise FlashdraftError(f"train.device={device_name}: no CUDA GPU is visible to rank {topo.rank}")
+    if use_cuda:
+        if topo.local_rank >= torch.cuda.device_count():
+            raise FlashdraftError(f"rank {topo.rank}: local rank {topo.local_rank} but only {torch.cuda.device_count()} GPUs visible")
+        device = torch.device("cuda", topo.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes),
+                                **({"device_id": device} if use_cuda else {}))
+    return topo, device
+
+
+def all_reduce_sum(values: list[float], device: torch.device, topo: Topology) -> list[float]:
+    if not topo.distributed:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def sum_gradients(params: list[torch.nn.Parameter], topo: Topology) -> None:
+    """Sum gradients over ranks (the loss is already normalised by the global Σw)."""
+    if not topo.distributed:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+
+
+def any_rank(flag: bool, device: torch.device, topo: Topology) -> bool:
+    """True if the flag is set on any rank: ranks must agree before leaving the loop together."""
+    if not topo.distributed:
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
+def barrier(topo: Topology) -> None:
+    if topo.distributed:
+        dist.barrier()
+
+
+def shutdown(topo: Topology) -> None:
+    if topo.distributed and dist.is_initialized():
+        dist.destroy_process_group()
