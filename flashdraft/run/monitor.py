@@ -183,6 +183,20 @@ def follow_log(run_dir: Path, rank: int | None, lines: int, follow: bool) -> Non
             time.sleep(0.5)
 
 
+def _torchrun_workers(job_pid: int | None) -> list[psutil.Process]:
+    """The rank processes under a torchrun job (they carry RANK in their environment)."""
+    try:
+        children = psutil.Process(job_pid).children(recursive=True) if job_pid else []
+    except psutil.NoSuchProcess:
+        return []
+    workers = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if "RANK" in child.environ():
+                workers.append(child)
+    return workers
+
+
 def stop_run(run_dir: Path, *, force: bool = False, timeout: float = 300.0) -> dict[str, Any]:
     """Graceful: SIGTERM lets the trainer finish its step and checkpoint. With `force`, SIGKILL the job's
     process group if it has not ended within `timeout`."""
@@ -193,8 +207,14 @@ def stop_run(run_dir: Path, *, force: bool = False, timeout: float = 300.0) -> d
     pgid = status.get("job_pgid")
     if not pgid:
         raise FlashdraftError(f"run {run_dir.name}: no job process recorded yet (state {info['state']})")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+    workers = _torchrun_workers(status.get("job_pid"))
+    if workers:  # signal the ranks, not torchrun: it would treat its own SIGTERM as a failure
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.send_signal(signal.SIGTERM)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
     deadline = time.time() + timeout
     while time.time() < deadline:
         info = run_state(run_dir)

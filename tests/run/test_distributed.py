@@ -48,3 +48,16 @@ def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):  # noqa: F811
 def test_healthy_two_process_launch(setup):  # noqa: F811
     info = wait_for(setup, launch(setup, "--nproc-per-node", "2")["run"], final)
     assert info["state"] == "finished" and info["step"] == 12 and set(info["ranks"]) == {"0", "1"}
+
+
+def test_stop_of_a_two_process_run_checkpoints_and_ends_cleanly(setup):  # noqa: F811
+    from pathlib import Path
+
+    info = launch(setup, "--nproc-per-node", "2", "train.max_steps=100000", "train.save_every=100000")
+    info = wait_for(setup, info["run"], lambda s: (s.get("step") or 0) >= 2)
+    out = subprocess.run([*FLASHDRAFT.split(), "stop", info["run"], "--runs-dir", str(setup["root"] / "runs")],
+                         capture_output=True, text=True, timeout=120)
+    assert "stopped" in out.stdout, out.stdout + out.stderr
+    info = status(setup, info["run"])
+    assert info["state"] == "stopped" and info["exit_code"] == 0
+    assert list((Path(info["run_dir"]) / "checkpoints").glob("step-*"))
