@@ -1,4 +1,4 @@
-"""The single-process DFlash trainer: target forward (no grad) -> drafter forward/backward -> AdamW.
+"""The DFlash trainer, one process per GPU: target forward (no grad) -> drafter forward/backward -> AdamW.
 
 Reads top to bottom: setup, models, data, placement, optimizer, resume, loop. Paper defaults
 (../shared/reference/dflash.md §3.1): AdamW lr 6e-4, cosine with 4% warm-up, grad clip 1.0, 6 epochs,
