@@ -147,6 +147,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from flashdraft.bench.train_bench import main as bench_train
 
         return bench_train(args.rest)
+    if args.what == "eval":
+        from flashdraft.bench.eval_bench import main as bench_eval
+
+        return bench_eval(args.rest)
     if args.what == "regen":
         from flashdraft.bench.regen_bench import main as bench_regen
 
@@ -263,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a PNG of per-position acceptance and the length histogram")
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen")
-    p.add_argument("what", choices=["train", "regen"])
+    p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval")
+    p.add_argument("what", choices=["train", "regen", "eval"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     return parser

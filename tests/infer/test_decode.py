@@ -138,3 +138,17 @@ def test_eval_command_reports_tau_speedup_and_plot(trained, tmp_path, capsys):
     # sampling with a lossless check is refused clearly
     assert main(["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"]), "--prompts", str(prompts),
                  "--temperature", "0.7", "--check-lossless"]) == 2
+
+
+def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
+    """The H200 `flashdraft bench eval` path (target-generated data -> trained drafter -> eval), tiny."""
+    import json
+
+    from flashdraft.bench.eval_bench import main as bench_eval
+
+    out = tmp_path / "r.json"
+    assert bench_eval(["--tiny", "--work", str(tmp_path / "w"), "--samples", "48", "--steps", "20", "--prompts", "2",
+                       "--max-new-tokens", "24", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["lossless"]["diverged"] == [] and report["tau"] >= 1.0 and report["speedup"] > 0
+    assert report["timings"]["train_s"] > 0 and report["training_steps"] == 20
