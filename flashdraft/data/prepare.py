@@ -17,6 +17,7 @@ from flashdraft.data.render import render_conversation, tokenizer_fingerprint
 from flashdraft.data.shards import write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.target import load_target_tokenizer
 
 
 @dataclass
@@ -35,19 +36,10 @@ class PrepareSettings:
     sampling: Sampling | None = None
 
 
-def load_tokenizer(target: str):
-    from transformers import AutoTokenizer
-
-    path = Path(target)
-    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        raise FlashdraftError(f"target {target}: no tokenizer files there (tokenizer.json / tokenizer_config.json)")
-    return AutoTokenizer.from_pretrained(path)
-
-
 def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings, console: Console | None = None,
             command: str | None = None) -> dict[str, Any]:
     console = console or Console()
-    tokenizer = load_tokenizer(target)
+    tokenizer = load_target_tokenizer(target, required=True)
     out_dir = Path(out)
     dropped: Counter[str] = Counter()
     bad_records: list[str] = []

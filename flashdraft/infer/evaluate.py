@@ -16,7 +16,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import Generation, generate
 from flashdraft.infer.report import acceptance_report, plot, write_json
 from flashdraft.model.checkpoint import load_drafter
-from flashdraft.model.target import TargetModel, load_target_config
+from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 
 
 @dataclass
@@ -30,14 +30,6 @@ class EvalSettings:
     check_lossless: bool = False
     max_prompts: int = 0
     seed: int = 0
-
-
-def _tokenizer(target_dir: Path):
-    if not any((target_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target_dir)
 
 
 def first_divergence(target: TargetModel, prompt: torch.Tensor, reference: list[int], other: list[int]) -> dict[str, Any] | None:
@@ -68,7 +60,7 @@ def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSett
                            dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev)
     block = settings.block_size or drafter.block_size
-    tokenizer = _tokenizer(target_path)
+    tokenizer = load_target_tokenizer(target_path)
     stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     records = read_records(prompts)
     if settings.max_prompts:

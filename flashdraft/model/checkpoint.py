@@ -213,14 +213,9 @@ def resolve_mask_token_id(target_path: str | Path, target: PretrainedConfig, exp
         if not 0 <= explicit < vocab:
             raise FlashdraftError(f"--mask-token-id {explicit} is outside the target vocabulary (0..{vocab - 1})")
         return explicit
-    tokenizer = None
-    if any((Path(target_path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+    from flashdraft.model.target import load_target_tokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(target_path)
-        except (OSError, ValueError, TypeError) as exc:
-            raise FlashdraftError(f"target {target_path}: cannot load its tokenizer ({exc})") from None
+    tokenizer = load_target_tokenizer(target_path)
     if tokenizer is not None:
         if getattr(tokenizer, "mask_token_id", None) is not None and tokenizer.mask_token_id < vocab:
             return int(tokenizer.mask_token_id)

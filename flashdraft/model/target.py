@@ -37,6 +37,21 @@ def load_target_config(path: str | Path) -> PretrainedConfig:
         raise FlashdraftError(f"target {path}/config.json: {exc}") from None
 
 
+def load_target_tokenizer(path: str | Path, *, required: bool = False):
+    """The target's own tokenizer (and chat template), or None when the directory ships none."""
+    path = Path(path)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        if required:
+            raise FlashdraftError(f"target {path}: no tokenizer files there (tokenizer.json / tokenizer_config.json)")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise FlashdraftError(f"target {path}: cannot load its tokenizer ({exc})") from None
+
+
 def _decoder(model: nn.Module, num_layers: int) -> tuple[nn.ModuleList, nn.Module | None]:
     """The decoder-layer list and the final norm, found by structure rather than by model family."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else None

@@ -40,7 +40,7 @@ from flashdraft.model.checkpoint import (
 )
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, default_gamma
-from flashdraft.model.target import TargetModel, load_target_config
+from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 from flashdraft.run.files import FAULT_ENV, Heartbeat
 from flashdraft.train.checkpoint import load_trainer_state, resolve_resume, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
@@ -84,11 +84,8 @@ def _fault_hook(step: int, rank: int = 0) -> None:
 
 def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
     """Hashes of the target's tokenizer and template, to check prepared shards against (None: no tokenizer)."""
-    if not any((Path(target) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(target))
+    tokenizer = load_target_tokenizer(target)
+    return None if tokenizer is None else tokenizer_fingerprint(tokenizer)
 
 
 def _reduce_window(window: dict[str, Any], device: torch.device, topo, block_size: int) -> dict[str, Any]:
