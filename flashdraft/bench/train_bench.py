@@ -52,7 +52,7 @@ def random_batch(shape: dict, vocab: int, seed: int) -> TokenBatch:
     ids = torch.randint(0, vocab - 300, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
     mask[:, :64] = 0  # a short prompt, the rest supervised
-    return TokenBatch(ids, mask, torch.full((b,), s), [seed * 10 + i for i in range(b)]).to(torch.device("cuda"))
+    return TokenBatch(ids, mask, torch.full((b,), s), [seed * 10 + i for i in range(b)])  # on the CPU; moved per step
 
 
 class Timer:
@@ -106,8 +106,9 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - compile_started
             timer = Timer()
-        batch = batches[i % len(batches)]
-        blocks = objective.blocks(batch)
+        cpu_batch = batches[i % len(batches)]
+        cpu_blocks = objective.blocks(cpu_batch)
+        batch, blocks = cpu_batch.to(torch.device("cuda")), cpu_blocks.to(torch.device("cuda"))
         with timer.span("target_ms"):
             features = target.features(batch.input_ids)
         with timer.span("drafter_step_ms"):
@@ -116,10 +117,10 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
             clip_and_step(optimizer, params, 1.0)
             optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
-            flops.append(step_flops(config, drafter.layer_kinds(), blocks, out.ctx_tokens,
-                                    int((blocks.weights > 0).sum()), target.vocab_size))
+            flops.append(step_flops(config, drafter.layer_kinds(), cpu_blocks, int(cpu_batch.lengths.sum()),
+                                    int((cpu_blocks.weights > 0).sum()), target.vocab_size))
     times = timer.medians()
-    breakdown = profile_breakdown(objective, optimizer, batches[0], drafter)
+    breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")), drafter)
     f = flops[0]
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)

@@ -71,6 +71,8 @@ class Heartbeat:
     def beat(self, phase: str | None = None, force: bool = False, **fields: Any) -> None:
         if self.dir is None:
             return
+        if phase is not None and phase not in PHASES:  # status maps phases to states: no unknown ones
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
         changed = phase is not None and phase != self.state.get("phase")
         if phase is not None:
             self.state["phase"] = phase

@@ -35,6 +35,10 @@ class BlockBatch:
     def block_size(self) -> int:
         return self.block_ids.shape[1] // self.anchors.shape[1]
 
+    def to(self, device: torch.device) -> BlockBatch:
+        return BlockBatch(*(getattr(self, f).to(device, non_blocking=True) for f in
+                            ("anchors", "keep", "block_ids", "block_positions", "labels", "weights")))
+
 
 def sample_anchors(
     loss_mask: Tensor,

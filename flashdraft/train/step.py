@@ -28,10 +28,8 @@ from flashdraft.train.objective import (
 @dataclass
 class StepOutput:
     loss_sum: Tensor  # Σ w·CE (fp32 scalar, differentiable)
-    weight_sum: float  # Σ w
+    weight_sum: Tensor  # Σ w (a device scalar: reading it is the caller's choice, not a forced sync)
     stats: dict[str, Tensor]  # acceptance sums (see objective.acceptance_stats)
-    real_blocks: int
-    ctx_tokens: int
 
 
 class Objective:
@@ -61,6 +59,7 @@ class Objective:
         self.autocast_dtype = autocast_dtype
 
     def blocks(self, batch: TokenBatch) -> BlockBatch:
+        """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
         spec = self.drafter.spec
         anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds)
         return build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep,
@@ -92,8 +91,6 @@ class Objective:
         correct = torch.zeros_like(flat_weights, dtype=torch.bool).index_copy_(0, rows, correct_rows)
         return StepOutput(
             loss_sum=loss_sum,
-            weight_sum=float(flat_weights.sum()),
+            weight_sum=flat_weights.sum(),
             stats=acceptance_stats(correct.view_as(blocks.weights), blocks.weights, blocks.block_size),
-            real_blocks=int(blocks.keep.sum()),
-            ctx_tokens=int(batch.lengths.sum()),
         )

@@ -88,6 +88,11 @@ def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
     return None if tokenizer is None else tokenizer_fingerprint(tokenizer)
 
 
+def _new_window() -> dict[str, Any]:
+    """Counters of one logging interval."""
+    return {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
+
+
 def _reduce_window(window: dict[str, Any], device: torch.device, topo, block_size: int) -> dict[str, Any]:
     """Sum a logging window's local counters over ranks (Σw is already global)."""
     if not topo.distributed:
@@ -127,9 +132,9 @@ def evaluate(objective: Objective, data: TokenDataset, batch_size: int, seed: in
     objective.drafter.eval()
     loss_sum, weight_sum, stats = 0.0, 0.0, None
     for batch in iterate_batches(data, batch_size, seed, pad_multiple):
-        out = objective(batch.to(device))
+        out = objective(batch.to(device), objective.blocks(batch).to(device))
         loss_sum += float(out.loss_sum)
-        weight_sum += out.weight_sum
+        weight_sum += float(out.weight_sum)
         stats = out.stats if stats is None else {k: stats[k] + v for k, v in out.stats.items()}
     objective.drafter.train()
     return {"loss": loss_sum / max(weight_sum, 1e-9), **summarize_acceptance(stats)}
@@ -221,7 +226,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
               f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
               f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps",
               flush=True)
-    window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
+    window = _new_window()
     drafter.train()
     heartbeat.beat("compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps)
     outcome = "finished"
@@ -232,18 +237,20 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             epoch, indices = sampler.next_batch()
             mine = indices[topo.rank :: topo.world_size]
             if mine:  # at an epoch's end a rank can be left without samples; it still joins the reductions
-                batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple).to(device)
-                micro.append((batch, objective.blocks(batch)))
+                # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
+                batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
+                blocks = objective.blocks(batch)
+                window["blocks"] += int(blocks.keep.sum())
+                window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, int(batch.lengths.sum()),
+                                              int((blocks.weights > 0).sum()), target.vocab_size).total
+                micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum())))
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
-        (total_weight,) = all_reduce_sum([sum(float(blocks.weights.sum()) for _, blocks in micro)], device, topo)
-        for batch, blocks in micro:
+        (total_weight,) = all_reduce_sum([sum(w for _, _, w in micro)], device, topo)
+        for batch, blocks, _ in micro:
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
-            window["loss_sum"] += float(out.loss_sum.detach())
+            window["loss_sum"] = window["loss_sum"] + out.loss_sum.detach()
             window["stats"] = out.stats if window["stats"] is None else {k: window["stats"][k] + v for k, v in out.stats.items()}
-            window["blocks"] += out.real_blocks
-            window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, out.ctx_tokens,
-                                          int((blocks.weights > 0).sum()), target.vocab_size).total
         window["weight"] += total_weight
         sum_gradients(params, topo)
         grad_norm = clip_and_step(optimizer, params, t.grad_clip)
@@ -258,6 +265,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                        max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
         if step % t.log_every == 0 or step == total_steps:
             seconds = max(window["time"], 1e-9)
+            window["loss_sum"] = float(window["loss_sum"])
             window = _reduce_window(window, device, topo, spec.block_size)
             metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
                        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "epoch": sampler.epoch,
@@ -268,7 +276,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             if logger is not None:
                 logger.log(step, metrics)
             heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
-            window = {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
+            window = _new_window()
         if topo.is_main and eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
             heartbeat.beat("evaluating")
             result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
