@@ -59,6 +59,8 @@ class TrainConfig:
     seed: int = doc(0, "Seed of initialisation, data order and anchor sampling.")
     device: str = doc("auto", "'auto' (cuda if present), 'cuda', 'cuda:N' or 'cpu'.")
     dtype: str = doc("auto", "Compute dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'.")
+    master_weights: bool = doc(True, "With bf16: bf16 weights and gradients in the drafter, fp32 master weights, moments "
+                               "and gradient sums in the optimizer (faster). false: fp32 weights under bf16 autocast.")
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
     compile: bool = doc(True, "torch.compile the drafter layers and loss on GPU (flex attention requires it).")
     activation_checkpointing: bool = doc(False, "Recompute drafter layer activations in the backward pass.")

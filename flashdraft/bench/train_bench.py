@@ -27,7 +27,7 @@ from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
-from flashdraft.train.optim import clip_and_step, make_adamw
+from flashdraft.train.optim import make_optimizer
 from flashdraft.train.step import Objective
 
 SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
@@ -80,7 +80,7 @@ class Timer:
 
 
 def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_layers: int, compile: bool,
-              loss_chunk: int = 1024) -> dict:
+              loss_chunk: int = 1024, master_weights: bool = True) -> dict:
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
     config = make_drafter_config(target.config, num_layers=num_layers, block_size=16, mask_token_id=151669,
@@ -90,12 +90,11 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
     drafter.init_weights()
     loss_fn = WeightedHeadLoss(chunk=loss_chunk)
     placement = parallelize(drafter, loss_fn, device=torch.device("cuda"), attention="flex" if compile else "sdpa",
-                            compile=compile)
+                            compile=compile, master_weights=master_weights)
     objective = Objective(drafter, target, num_anchors=shape["anchors"], gamma=7.0, loss=loss_fn,
                           attention=placement.attention, create_block_mask=placement.create_block_mask,
                           autocast_dtype=placement.autocast_dtype)
-    params = list(drafter.parameters())
-    optimizer = make_adamw(params, lr=6e-4, weight_decay=0.0, device=torch.device("cuda"))
+    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0, update=placement.optimizer_update)
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()
@@ -114,7 +113,7 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
         with timer.span("drafter_step_ms"):
             out = objective(batch, blocks, features=features)
             (out.loss_sum / out.weight_sum).backward()
-            clip_and_step(optimizer, params, 1.0)
+            optimizer.clip_and_step(1.0)
             optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
             flops.append(step_flops(config, drafter.layer_kinds(), cpu_blocks, int(cpu_batch.lengths.sum()),
@@ -125,7 +124,7 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
     return {
-        "shape": name, **shape, "compiled": compile, "loss_chunk": loss_chunk, "attention": placement.attention,
+        "shape": name, **shape, "compiled": compile, "master_weights": master_weights, "loss_chunk": loss_chunk, "attention": placement.attention,
         "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
         "target_ms": round(times["target_ms"], 2), "drafter_step_ms": round(times["drafter_step_ms"], 2),
         "drafter_tflop_per_step": round(f.total / 1e12, 2),
@@ -163,7 +162,7 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch, drafte
         with timer.span("drafter_backward"):
             (loss / w.sum()).backward()
         with timer.span("clip_and_adamw"):
-            clip_and_step(optimizer, list(drafter.parameters()), 1.0)
+            optimizer.clip_and_step(1.0)
             optimizer.zero_grad(set_to_none=True)
     return {k: round(v, 2) for k, v in timer.medians().items()}
 
@@ -177,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-layers", type=int, default=36)
     parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
+    parser.add_argument("--no-master-weights", action="store_true",
+                        help="fp32 weights under bf16 autocast instead of bf16 weights + fp32 master weights (for comparison)")
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shape or ["a", "b"]:
         results.append(run_shape(name, target, steps=args.steps, warmup=args.warmup,
                                  num_layers=args.drafter_layers, compile=not args.no_compile,
-                                 loss_chunk=args.loss_chunk))
+                                 loss_chunk=args.loss_chunk, master_weights=not args.no_master_weights))
         torch.cuda.empty_cache()
     commit = os.environ.get("FLASHDRAFT_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or None

@@ -1,8 +1,9 @@
 """The one place that decides device placement, compilation and activation checkpointing.
 
 Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
-activation checkpointing per drafter layer, then torch.compile per layer (fullgraph), the compiled
-fused-loss chunk, and the compiled BlockMask builder. Compilation happens on the calling (main)
+parameter precision (bf16 weights with fp32 master weights in the optimizer, or fp32 weights under
+bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph),
+the compiled fused-loss chunk, the compiled optimizer update, and the compiled BlockMask builder. Compilation happens on the calling (main)
 thread of a process that owns one GPU: torch.compile is not thread-safe, and a racing or failed
 compile must never fall back silently to dense attention (../shared/reference/supervision.md §0, §1).
 """
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.train.loss import WeightedHeadLoss, chunk_loss_and_grad
+from flashdraft.train.optim import adamw_update
 
 # Dynamo counts compiles per code object, and all drafter layers share DrafterLayer.forward: each layer
 # may compile for training and for evaluation, with a static then a dynamic sequence length. More than
@@ -33,7 +35,9 @@ class Placement:
     attention: str  # "flex" or "sdpa"
     compiled: bool
     autocast_dtype: torch.dtype | None
+    param_dtype: torch.dtype  # the drafter's weights; below fp32, the optimizer keeps fp32 master weights
     create_block_mask: Callable | None
+    optimizer_update: Callable  # train.optim.adamw_update, compiled on GPU
     pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
 
 
@@ -66,6 +70,7 @@ def parallelize(
     compile: bool = True,
     activation_checkpointing: bool = False,
     dtype: str = "auto",
+    master_weights: bool = True,
 ) -> Placement:
     on_gpu = device.type == "cuda"
     attention = ("flex" if on_gpu else "sdpa") if attention == "auto" else attention
@@ -77,20 +82,27 @@ def parallelize(
     if dtype == "auto":
         dtype = "bf16" if on_gpu else "fp32"
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    param_dtype = torch.bfloat16 if autocast_dtype is not None and master_weights else torch.float32
 
     drafter.to(device)
+    for param in drafter.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
+        param.data = param.data.to(param_dtype)
     drafter.rotary_emb.to(device)
     for layer in drafter.layers:
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     create_block_mask = None
+    optimizer_update = adamw_update
     if compile:
         guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
         loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True)
+        # One fused kernel per tensor; dynamic shapes: one compile serves every parameter's size.
+        optimizer_update = torch.compile(adamw_update, fullgraph=True, dynamic=True)
     if attention == "flex":
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 
         create_block_mask = torch.compile(_create_block_mask)
-    return Placement(device, attention, compile, autocast_dtype, create_block_mask, pad_multiple=256 if compile else 1)
+    return Placement(device, attention, compile, autocast_dtype, param_dtype, create_block_mask, optimizer_update,
+                     pad_multiple=256 if compile else 1)

@@ -62,14 +62,12 @@ def all_reduce_sum(values: list[float], device: torch.device, topo: Topology) ->
     return tensor.tolist()
 
 
-def sum_gradients(params: list[torch.nn.Parameter], topo: Topology) -> None:
-    """Sum gradients over ranks (the loss is already normalised by the global Σw)."""
+def sum_gradients(grads: list[torch.Tensor], topo: Topology) -> None:
+    """Sum gradients over ranks in place (the loss is already normalised by the global Σw)."""
     if not topo.distributed:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
+    for grad in grads:
+        dist.all_reduce(grad)
 
 
 def any_rank(flag: bool, device: torch.device, topo: Topology) -> bool:

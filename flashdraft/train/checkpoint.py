@@ -1,7 +1,8 @@
 """Training checkpoints: the drafter in the export format plus everything `resume` needs.
 
-`<out_dir>/checkpoints/step-00000100/` holds `drafter/` (config.json + model.safetensors, fp32 master
-weights) and `trainer_state.pt` (optimizer, scheduler, sampler position, RNG states, step). It is
+`<out_dir>/checkpoints/step-00000100/` holds `drafter/` (config.json + model.safetensors in fp32) and
+`trainer_state.pt` (optimizer, with the fp32 master weights when the drafter trains in bf16; scheduler,
+sampler position, RNG states, step). It is
 written under a temporary name and renamed into place, so a crash at any moment leaves either the
 previous checkpoints or a complete new one; keep the last K.
 """

@@ -1,33 +1,188 @@
-"""AdamW with global-norm clipping folded into the fused CUDA kernel.
+"""The drafter's optimizer: AdamW with global-norm gradient clipping, in one of two precisions.
 
-`clip_grad_norm_` rescales every gradient in place (one extra read and write of all gradients, ~8 GB
-for a 1B-parameter fp32 drafter) before AdamW reads them again. The fused AdamW kernel already divides
-gradients by `grad_scale` (the hook GradScaler uses), so on CUDA we pass max(1, norm / max_norm) there
-instead: the same update, one pass fewer. Elsewhere the standard clip runs.
+- fp32 parameters (the CPU, or `train.master_weights=false` under bf16 autocast): torch's AdamW. On CUDA
+  the fused kernel, with the clip folded into its `grad_scale` (the hook GradScaler uses): the same update
+  as `clip_grad_norm_` + step, one pass over all gradients fewer.
+- bf16 parameters with fp32 master weights (the GPU default): the model holds bf16 weights, so the
+  forward pass casts nothing and the backward pass writes bf16 gradients; this optimizer keeps fp32
+  master weights and moments and updates them in one fused elementwise pass per tensor that also
+  writes the new bf16 weights (28 bytes per parameter, against 46 for fp32 weights under autocast:
+  the per-step weight casts and fp32 gradient copies disappear). Gradients of several micro-batches,
+  or of several ranks, are summed in fp32, not in bf16.
+
+Both expose the same three calls the trainer uses: `accumulate_gradients()` between micro-batches,
+`gradients(fp32=...)` (the tensors to all-reduce), and `clip_and_step(max_norm)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import Tensor
 
-
-def make_adamw(params, *, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=device.type == "cuda")
+MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
-def clip_and_step(optimizer: torch.optim.AdamW, params: list[Tensor], max_norm: float) -> Tensor:
-    """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync)."""
-    fused = bool(optimizer.defaults.get("fused"))
-    if not fused:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
+def global_norm(grads: list[Tensor]) -> Tensor:
+    """The L2 norm of all gradients together, accumulated in fp32 (a device scalar: no sync)."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def _ensure_grads(params: list[Tensor]) -> list[Tensor]:
+    """Every parameter's gradient; a parameter that got none (e.g. unused this step) gets zeros, so ranks agree."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """torch's AdamW over fp32 parameters; fp32 `.grad` accumulates over backward passes by itself."""
+
+    def params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def accumulate_gradients(self) -> None:
+        pass
+
+    def gradients(self, fp32: bool = False) -> list[Tensor]:
+        return _ensure_grads(self.params())
+
+    def clip_and_step(self, max_norm: float) -> Tensor:
+        """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync)."""
+        params = self.params()
+        if not self.defaults.get("fused"):
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            self.step()
+            return norm
+        norm = global_norm(self.gradients())
+        self.grad_scale = torch.clamp(norm / max_norm, min=1.0).float()  # the fused kernel divides by it
+        try:
+            self.step()
+        finally:
+            self.grad_scale = None
         return norm
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    optimizer.grad_scale = torch.clamp(norm / max_norm, min=1.0).float()  # read by the fused kernel
-    try:
-        optimizer.step()
-    finally:
-        optimizer.grad_scale = None
-    return norm
+
+
+def adamw_update(param: Tensor, grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                 hyper: Tensor, grad_multiplier: Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> None:
+    """One AdamW update of a flat fp32 master tensor and its moments; writes the rounded `param` too.
+
+    `hyper` = [lr, 1 - beta1^t, sqrt(1 - beta2^t)] and `grad_multiplier` (the clip factor) are device
+    tensors, so a compiled version of this function neither recompiles nor syncs as they change.
+    Same arithmetic as torch.optim.AdamW (decoupled decay, bias-corrected moments).
+    """
+    lr, bias_correction1, bias_correction2_sqrt = hyper[0], hyper[1], hyper[2]
+    g = grad.float() * grad_multiplier
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.sub_(exp_avg / denom * (lr / bias_correction1))
+    param.copy_(master)
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums.
+
+    `update` is `adamw_update` or a compiled version of it (distributed/parallelize.py decides).
+    """
+
+    def __init__(self, params: Iterable[Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, update: Callable = adamw_update):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.update = update
+        self.steps = 0
+        self._grad_multiplier: Tensor | None = None
+        for p in self.params():  # allocated now: an out-of-memory shows at start-up, not at the first step
+            self.state[p].update(master=p.detach().float().clone(), exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+
+    def params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def accumulate_gradients(self) -> None:
+        """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
+        for p in self.params():
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "grad_sum" in state:
+                state["grad_sum"].add_(p.grad)
+            else:
+                state["grad_sum"] = p.grad.float()
+            p.grad = None
+
+    def gradients(self, fp32: bool = False) -> list[Tensor]:
+        """The step's gradients: fp32 sums if anything was accumulated (or `fp32`, e.g. before an
+        all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
+        params = self.params()
+        if fp32 or any("grad_sum" in self.state[p] for p in params):
+            _ensure_grads(params)
+            self.accumulate_gradients()
+            return [self.state[p]["grad_sum"] for p in params]
+        return _ensure_grads(params)
+
+    def clip_and_step(self, max_norm: float) -> Tensor:
+        norm = global_norm(self.gradients())
+        self._grad_multiplier = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s factor
+        try:
+            self.step()
+        finally:
+            self._grad_multiplier = None
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        grads = self.gradients()
+        self.steps += 1
+        i = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            first = group["params"][0] if group["params"] else None
+            if first is None:
+                continue
+            values = torch.tensor([group["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32)
+            if first.device.type == "cuda":  # pinned + non-blocking: no host-device sync
+                values = values.pin_memory()
+            hyper = values.to(first.device, non_blocking=True)
+            multiplier = self._grad_multiplier if self._grad_multiplier is not None else torch.ones((), device=first.device)
+            for p in group["params"]:
+                state = self.state[p]
+                self.update(p.view(-1), grads[i].reshape(-1), *(state[k].view(-1) for k in MASTER_STATE), hyper,
+                            multiplier, beta1, beta2, group["eps"], group["weight_decay"])
+                state.pop("grad_sum", None)
+                i += 1
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in self.params()]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore fp32 masters and moments exactly (torch's default would cast them to the bf16 param dtype)
+        and set the parameters from the masters."""
+        params = self.params()
+        saved = state_dict.get("state")
+        if saved is None or len(saved) != len(params) or len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError("optimizer state does not match the drafter (another model, or fp32 weights: "
+                             "set train.master_weights as in the run that wrote it)")
+        for p, entry in zip(params, saved, strict=True):
+            for k in MASTER_STATE:
+                if entry[k].shape != p.shape:
+                    raise ValueError(f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}")
+                self.state[p][k].copy_(entry[k])
+            with torch.no_grad():
+                p.copy_(self.state[p]["master"])
+        for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(hyper)
+        self.steps = state_dict["steps"]
+
+
+def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, update: Callable = adamw_update):
+    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW."""
+    if all(p.dtype == torch.float32 for p in params):
+        return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=params[0].device.type == "cuda")
+    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)

@@ -47,7 +47,7 @@ from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import summarize_acceptance
-from flashdraft.train.optim import clip_and_step, make_adamw
+from flashdraft.train.optim import make_optimizer
 from flashdraft.train.step import Objective
 
 
@@ -186,7 +186,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ placement and compile (one place)
     loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
     placement = parallelize(drafter, loss_fn, device=device, attention=t.attention, compile=t.compile,
-                            activation_checkpointing=t.activation_checkpointing, dtype=t.dtype)
+                            activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
+                            master_weights=t.master_weights)
     objective = Objective(drafter, target, num_anchors=t.num_anchors, gamma=gamma, loss=loss_fn,
                           attention=placement.attention, create_block_mask=placement.create_block_mask,
                           autocast_dtype=placement.autocast_dtype)
@@ -194,8 +195,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ optimizer and schedule
     steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
     total_steps = t.max_steps or t.epochs * steps_per_epoch
-    params = list(drafter.parameters())
-    optimizer = make_adamw(params, lr=t.lr, weight_decay=t.weight_decay, device=device)
+    optimizer = make_optimizer(list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay,
+                               update=placement.optimizer_update)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio))
 
@@ -246,14 +247,16 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum())))
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w in micro)], device, topo)
-        for batch, blocks, _ in micro:
+        for i, (batch, blocks, _) in enumerate(micro):
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
+            if i < len(micro) - 1:
+                optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
             window["loss_sum"] = window["loss_sum"] + out.loss_sum.detach()
             window["stats"] = out.stats if window["stats"] is None else {k: window["stats"][k] + v for k, v in out.stats.items()}
         window["weight"] += total_weight
-        sum_gradients(params, topo)
-        grad_norm = clip_and_step(optimizer, params, t.grad_clip)
+        sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
+        grad_norm = optimizer.clip_and_step(t.grad_clip)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1

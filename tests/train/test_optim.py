@@ -1,7 +1,121 @@
+"""The drafter's optimizers against torch's AdamW + clip_grad_norm_."""
+
+import io
+
 import pytest
 import torch
 
-from flashdraft.train.optim import clip_and_step, make_adamw
+from flashdraft.train.optim import ClippedAdamW, MasterWeightAdamW, adamw_update, make_optimizer
+
+SHAPES = [(64, 32), (17,), (8, 3, 5)]
+
+
+def _grads(seed: int, scale: float = 3.0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g) * scale).bfloat16() for s in SHAPES]
+
+
+def _bf16_params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in SHAPES]
+
+
+def test_master_weights_follow_torch_adamw_with_clipping():
+    params = _bf16_params()
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    ours = make_optimizer(params, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, foreach=False)
+    assert isinstance(ours, MasterWeightAdamW)
+    for step in range(6):
+        for group in (*ours.param_groups, *theirs.param_groups):
+            group["lr"] = 1e-2 * (step + 1) / 6  # a schedule changes lr between steps
+        grads = _grads(step, scale=3.0 if step % 2 else 0.01)  # clipped on odd steps, not on even ones
+        for p, r, g in zip(params, reference, grads, strict=True):
+            p.grad, r.grad = g.clone(), g.float()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        theirs.step()
+        norm = ours.clip_and_step(1.0)
+        ours.zero_grad(set_to_none=True)
+        assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6)
+    for p, r in zip(params, reference, strict=True):
+        master = ours.state[p]["master"]
+        assert torch.allclose(master, r.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), master.bfloat16())  # the model's weights are the rounded masters
+        assert not torch.equal(master, master.bfloat16().float())  # and the masters keep bits bf16 cannot
+
+
+def test_micro_batch_gradients_are_summed_in_fp32():
+    params = _bf16_params()
+    opt = MasterWeightAdamW(params, lr=1e-3)
+    first, second = _grads(1), _grads(2)
+    for p, g in zip(params, first, strict=True):
+        p.grad = g.clone()
+    opt.accumulate_gradients()
+    assert all(p.grad is None for p in params)
+    for p, g in zip(params, second, strict=True):
+        p.grad = g.clone()
+    summed = opt.gradients()
+    for s, a, b in zip(summed, first, second, strict=True):
+        assert s.dtype == torch.float32 and torch.equal(s, a.float() + b.float())
+    assert opt.gradients() is not summed and all(x is y for x, y in zip(opt.gradients(), summed, strict=True))
+
+
+def test_fp32_gradients_for_an_all_reduce_are_the_ones_stepped():
+    params = _bf16_params()
+    opt = MasterWeightAdamW(params, lr=1e-3)
+    for p, g in zip(params, _grads(3), strict=True):
+        p.grad = g.clone()
+    params[1].grad = None  # a parameter without a gradient still takes part (ranks must agree)
+    reduced = opt.gradients(fp32=True)
+    assert all(g.dtype == torch.float32 for g in reduced) and torch.equal(reduced[1], torch.zeros(SHAPES[1]))
+    for g in reduced:
+        g.mul_(0)  # what an all-reduce writes is what the step uses: zero gradients leave the masters alone
+    before = [opt.state[p]["master"].clone() for p in params]
+    opt.clip_and_step(1.0)
+    assert all(torch.equal(b, opt.state[p]["master"]) for b, p in zip(before, params, strict=True))
+
+
+def test_state_dict_round_trip_keeps_fp32_masters_and_continues_exactly():
+    def run(opt, params, steps):
+        for step in steps:
+            for p, g in zip(params, _grads(step), strict=True):
+                p.grad = g.clone()
+            opt.clip_and_step(1.0)
+            opt.zero_grad(set_to_none=True)
+
+    params = _bf16_params()
+    straight = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.01)
+    run(straight, params, range(5))
+
+    resumed_params = _bf16_params()
+    first = MasterWeightAdamW(resumed_params, lr=1e-2, weight_decay=0.01)
+    run(first, resumed_params, range(3))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    fresh_params = _bf16_params(seed=9)  # other values: everything must come from the state
+    second = MasterWeightAdamW(fresh_params, lr=5.0)
+    second.load_state_dict(torch.load(buffer))
+    assert second.param_groups[0]["lr"] == 1e-2 and second.steps == 3
+    run(second, fresh_params, range(3, 5))
+    for a, b in zip(params, fresh_params, strict=True):
+        assert torch.equal(a, b) and torch.equal(straight.state[a]["master"], second.state[b]["master"])
+
+
+def test_state_of_another_model_is_refused():
+    opt = MasterWeightAdamW(_bf16_params(), lr=1e-3)
+    other = MasterWeightAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], lr=1e-3)
+    with pytest.raises(ValueError, match="does not match"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_fp32_parameters_get_torch_adamw_and_clip():
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 10.0)
+    opt = make_optimizer([p], lr=0.1, weight_decay=0.0)
+    assert isinstance(opt, ClippedAdamW)
+    norm = opt.clip_and_step(1.0)
+    assert float(norm) == pytest.approx(20.0) and torch.allclose(p.grad.norm(), torch.tensor(1.0))
 
 
 @pytest.mark.gpu
@@ -15,16 +129,24 @@ def test_fused_clip_equals_clip_grad_norm_then_step():
         params = [torch.nn.Parameter(p.clone()) for p in base]
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
-        opt = torch.optim.AdamW(params, lr=1e-2, fused=fused)
-        clip_and_step(opt, params, 1.0)
+        ClippedAdamW(params, lr=1e-2, fused=fused).clip_and_step(1.0)
         results.append(params)
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 
 
-def test_cpu_path_clips():
-    p = torch.nn.Parameter(torch.zeros(4))
-    p.grad = torch.full((4,), 10.0)
-    opt = make_adamw([p], lr=0.1, weight_decay=0.0, device=torch.device("cpu"))
-    norm = clip_and_step(opt, [p], 1.0)
-    assert float(norm) == pytest.approx(20.0) and torch.allclose(p.grad.norm(), torch.tensor(1.0))
+@pytest.mark.gpu
+def test_compiled_master_weight_update_equals_eager():
+    compiled = torch.compile(adamw_update, fullgraph=True, dynamic=True)
+    results = []
+    for update in (adamw_update, compiled):
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in _bf16_params()]
+        opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.1, update=update)
+        for step in range(3):
+            for p, g in zip(params, _grads(step), strict=True):
+                p.grad = g.cuda()
+            opt.clip_and_step(1.0)
+            opt.zero_grad(set_to_none=True)
+        results.append([opt.state[p]["master"] for p in params])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
@@ -122,3 +123,22 @@ def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3
     assert [r["step"] for r in evals] == [4, 8, 12] and all(1.0 <= r["tau"] <= 4.0 and "acc@1" in r for r in evals)
     best = load_drafter(out / "best")
     assert best.spec.block_size == 4
+
+
+def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, train_file, monkeypatch):
+    """train.dtype=bf16: bf16 drafter weights, fp32 masters in the optimizer state; a crash after the step-4
+    checkpoint and a resume give the straight run's losses exactly, and the loss still falls."""
+    bf16 = {"train.dtype": "bf16", "train.lr": 5e-3, "train.max_steps": 12, "train.grad_accum": 2, "train.batch_size": 1}
+    straight = tmp_path / "straight"
+    train(load_config(None, _overrides(qwen3_target, train_file, straight, **bf16)))
+    crashed = tmp_path / "crashed"
+    monkeypatch.setenv("FLASHDRAFT_FAULT", "raise@4")
+    with pytest.raises(RuntimeError, match="injected failure at step 4"):
+        train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
+    monkeypatch.delenv("FLASHDRAFT_FAULT")
+    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
+    assert all(s["master"].dtype == torch.float32 for s in state["optimizer"]["state"])
+    train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
+    a, b = _losses(straight), _losses(crashed)
+    assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
+    assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
