@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -69,6 +70,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int = 60) -> dict:
         "train.lr=3e-3", "train.warmup_ratio=0.1", f"train.log_every={max(1, steps // 6)}",
         f"train.eval_every={max(1, steps // 3)}", f"train.save_every={steps}", "train.resume=never", "train.device=cpu",
     ])
+    shutil.rmtree(out / "run", ignore_errors=True)  # each quickstart trains afresh; the run directory is its own
     console.print(f"[bold]3.[/] training a 2-layer drafter (block 8) for {steps} steps on the CPU")
     result = train(config)
 

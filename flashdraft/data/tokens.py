@@ -139,7 +139,7 @@ class EpochSampler:
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
             raise FlashdraftError(
                 f"resume: the checkpoint was made with {state['num_samples']} samples and seed {state['seed']}, "
-                f"this run has {self.num_samples} and {self.seed}; use train.resume=never to start over"
+                f"this run has {self.num_samples} and {self.seed}; start over in a new train.out_dir"
             )
         self.epoch, self.position = state["epoch"], state["position"]
 

@@ -143,7 +143,8 @@ def _output(config: Config) -> Check:
         t = load_target_config(config.model.target)
         layer = 4 * t.hidden_size * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
         params = config.model.num_layers * layer + 5 * t.hidden_size * t.hidden_size
-        need = int(params * 12 * (config.train.keep_last + 1) + (1 << 30))  # fp32 weights + Adam moments
+        # fp32 weights, Adam moments and (bf16 training) fp32 master weights in the optimizer state
+        need = int(params * (16 if config.train.master_weights else 12) * (config.train.keep_last + 1) + (1 << 30))
     except Exception:
         pass
     if need and free < need:

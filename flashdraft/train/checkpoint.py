@@ -86,8 +86,17 @@ def save_checkpoint(
 
 
 def resolve_resume(resume: str, out_dir: str | Path) -> Path | None:
-    """'auto': the latest complete checkpoint in out_dir, if any; 'never': none; else a checkpoint path."""
+    """'auto': the latest complete checkpoint in out_dir, if any; 'never': none; else a checkpoint path.
+
+    'never' into an out_dir that holds another run's checkpoints is an error: the two runs' step
+    directories would interleave, and a later `resume=auto` could pick the older run's latest step."""
     if resume == "never":
+        found = list_checkpoints(out_dir)
+        if found:
+            raise FlashdraftError(
+                f"train.resume=never, but train.out_dir={out_dir} already holds checkpoints of a run "
+                f"({found[0].name} .. {found[-1].name}); continue it with train.resume=auto, or start over in "
+                f"another train.out_dir (or delete {checkpoint_root(out_dir)})")
         return None
     if resume == "auto":
         found = list_checkpoints(out_dir)

@@ -162,11 +162,12 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     topo, device = init_topology(t.device)  # one process per GPU under torchrun; plain single process otherwise
     torch.manual_seed(t.seed)
     out_dir = Path(t.out_dir)
+    if not config.model.target:
+        raise FlashdraftError("model.target: no target model directory given (set model.target=/path/to/model)")
+    resume_from = resolve_resume(t.resume, out_dir)  # before any work or write: a bad resume setting fails fast
     out_dir.mkdir(parents=True, exist_ok=True)
     if topo.is_main:
         (out_dir / "config.yaml").write_text(dump_yaml(config))
-    if not config.model.target:
-        raise FlashdraftError("model.target: no target model directory given (set model.target=/path/to/model)")
 
     # ------------------------------------------------------------------ target and drafter
     target_config = load_target_config(config.model.target)
@@ -202,7 +203,6 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
 
     # ------------------------------------------------------------------ resume
     step, best_tau = 0, -math.inf
-    resume_from = resolve_resume(t.resume, out_dir)
     if resume_from is not None:
         state = load_trainer_state(resume_from)
         resumed = load_drafter(resume_from / "drafter", dtype=torch.float32)

@@ -100,3 +100,31 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["kind"] == "eval" and rows[0]["loss"] == rows[0]["loss"]  # finite, not NaN
     assert any("mfu" in r for r in rows)
+
+
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, master_weights):
+    """The whole GPU path (bf16, compiled layers, flex BlockMask, compiled fused loss and, with master weights,
+    the compiled optimizer update) must learn what the exact fp32 CPU path learns on the same data."""
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    data = tmp_path / "d.jsonl"
+    with data.open("w") as f:
+        for i in range(12):  # period-3 sequences, as tests/train/test_trainer.py: learnable in a few dozen steps
+            n, p = 30 + 3 * i, 4 + i % 5
+            cycle = [(11 * i) % 290, (11 * i + 97) % 290, (11 * i + 181) % 290]
+            f.write(json.dumps({"input_ids": [cycle[j % 3] for j in range(n)], "loss_mask": [0] * p + [1] * (n - p)}) + "\n")
+    final = {}
+    for device in ("cuda", "cpu"):
+        out = tmp_path / device
+        train(load_config(None, [f"model.target={qwen3_target}", "model.mask_token_id=300", "model.num_layers=2",
+                                 "model.block_size=4", f"data.train=[{data}]", f"train.out_dir={out}", "train.max_steps=40",
+                                 "train.log_every=1", "train.num_anchors=6", "train.batch_size=2", "train.lr=5e-3",
+                                 "train.resume=never", f"train.device={device}", f"train.master_weights={str(master_weights).lower()}"]))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+        first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5
+        assert last < first - 0.4, (device, first, last)
+        final[device] = last
+    assert abs(final["cuda"] - final["cpu"]) < 0.25 * final["cpu"] + 0.1, final

@@ -142,3 +142,16 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
     a, b = _losses(straight), _losses(crashed)
     assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
     assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
+
+
+def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwen3_target, train_file):
+    """resume=never into an out_dir with checkpoints would interleave two runs' step directories (and a later
+    resume=auto could pick the older run's last step): refused before any work, naming the way out."""
+    from flashdraft.train.checkpoint import resolve_resume
+
+    out = tmp_path / "run"
+    train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2, "train.save_every": 2})))
+    with pytest.raises(FlashdraftError, match=r"train.resume=never.*step-00000002.*train.resume=auto"):
+        train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.resume": "never", "train.lr": 1.0})))
+    assert "lr: 1.0" not in (out / "config.yaml").read_text()  # the earlier run's files are untouched
+    assert resolve_resume("auto", out) == out / "checkpoints" / "step-00000002"
