@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# One device call that runs every GPU check and benchmark still owed (issues #3, #5, #6); results land in $OUT.
-# Usage on the device machine: bash benchmarks/gpu_session.sh   (needs FLASHDRAFT_GIT_COMMIT set by the caller)
+# The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
+# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh tests|eval|train
+#   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
+#   eval:  flashdraft bench eval, 8B-shaped target (~8 min)
+#   train: flashdraft bench train, shapes (a) and (b) (~6 min)
+# The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/flashdraft-gpu}
 mkdir -p "$out"
-python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -3
-python3 -c "
+case "${1:-tests}" in
+  tests)
+    python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests.log" | tail -8
+    python3 -c "
 from flashdraft.config import load_config
 from flashdraft.run.doctor import print_checks, run_checks
+from flashdraft.run.monitor import gpu_usage
 print_checks(run_checks(load_config(None, ['model.target=/nonexistent', 'data.train=[/nonexistent]'])))
-" 2>&1 | tee "$out/doctor.log" | grep -E "GPUs|flex_attention"
-python3 -m flashdraft bench eval --out "$out/eval_h200.json" 2>&1 | tail -2
-python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5
+print('NVML:', gpu_usage())
+" 2>&1 | tee "$out/doctor.log" | grep -E "GPUs|flex_attention|NVML" ;;
+  eval)
+    python3 -m flashdraft bench eval --out "$out/eval_h200.json" > "$out/bench_eval.log" 2>&1
+    grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
+  train)
+    python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
+esac

@@ -10,11 +10,12 @@ Workloads (`--workload`): a deep random transformer's greedy continuation is cha
 branches dwarf the 0.02-scale embeddings), so no drafter learns it in minutes and τ stays ~1: `random`
 measures that, i.e. the loop's overhead when nothing is accepted. `repeat` (the default) zeroes every
 residual branch's output projection and ties the head to the embedding: every matmul of the 8B-shaped
-forward still runs (the cost being timed), but the target repeats its last token, which a drafter learns
-quickly, so the run shows the speedup the loop delivers when drafts are accepted. Neither is a language.
+forward still runs (the cost being timed), but the target repeats its last token, a rule a drafter can learn,
+so the run shows the speedup the loop delivers when drafts are accepted. Neither is a language.
 Prompts draw from `--prompt-vocab` token ids, so held-out prompts share the training distribution (as
-real chat data does); with ids from the whole 152k vocabulary a 1B-parameter drafter trained on a few
-hundred samples memorises them instead of learning the rule, and held-out τ stays 1.
+real chat data does). Measured on the CPU with a 512-wide, 16k-vocabulary `repeat` target and a 2-layer
+drafter: ids from the whole vocabulary, 128 samples, 100 steps: training acc@1 1.0 but held-out τ 1.0 (the
+drafter memorised the samples); 256 ids, 256 samples, 200 steps: held-out τ 6.2 of 8, speedup 1.8x.
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdraft bench eval")
     parser.add_argument("--work", default="/tmp/flashdraft-bench-eval", help="scratch directory (the target is written here)")
-    parser.add_argument("--samples", type=int, default=512, help="target-generated training samples")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per training answer")
-    parser.add_argument("--steps", type=int, default=300, help="drafter training steps")
-    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts decoded")
+    parser.add_argument("--samples", type=int, default=256, help="target-generated training samples")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per training answer")
+    parser.add_argument("--steps", type=int, default=400, help="drafter training steps")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts decoded")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--workload", choices=("repeat", "random"), default="repeat",
                         help="repeat: a target whose continuation a drafter can learn; random: a chaotic one (see above)")
-    parser.add_argument("--prompt-vocab", type=int, default=512, help="prompts use token ids below this")
+    parser.add_argument("--prompt-vocab", type=int, default=256, help="prompts use token ids below this")
     parser.add_argument("--lr", type=float, default=6e-4, help="drafter learning rate")
     parser.add_argument("--tiny", action="store_true", help="a tiny target on the CPU (tests)")
     parser.add_argument("--out", default=None)
