@@ -1,11 +1,12 @@
-"""The one place that decides device placement, compilation and activation checkpointing.
+"""The one place that decides device placement, precision, compilation and activation checkpointing.
 
 Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
 parameter precision (bf16 weights with fp32 master weights in the optimizer, or fp32 weights under
 bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph),
-the compiled fused-loss chunk, the compiled optimizer update, and the compiled BlockMask builder. Compilation happens on the calling (main)
-thread of a process that owns one GPU: torch.compile is not thread-safe, and a racing or failed
-compile must never fall back silently to dense attention (../shared/reference/supervision.md §0, §1).
+the compiled fused-loss chunk, the compiled optimizer update, and the compiled BlockMask builder.
+Compilation happens on the calling (main) thread of a process that owns one GPU: torch.compile is not
+thread-safe, and a racing or failed compile must never fall back silently to dense attention
+(../shared/reference/supervision.md §0, §1).
 """
 
 from __future__ import annotations

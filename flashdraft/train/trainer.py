@@ -207,7 +207,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         state = load_trainer_state(resume_from)
         resumed = load_drafter(resume_from / "drafter", dtype=torch.float32)
         drafter.load_state_dict(resumed.state_dict())
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise FlashdraftError(f"train.resume: the optimizer state in {resume_from} does not fit this run "
+                                  f"(train.master_weights, train.dtype or the drafter changed?): {exc}") from None
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])

@@ -155,3 +155,11 @@ def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwe
         train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.resume": "never", "train.lr": 1.0})))
     assert "lr: 1.0" not in (out / "config.yaml").read_text()  # the earlier run's files are untouched
     assert resolve_resume("auto", out) == out / "checkpoints" / "step-00000002"
+
+
+def test_resume_with_another_precision_names_the_checkpoint(tmp_path, qwen3_target, train_file):
+    out = tmp_path / "run"
+    train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2, "train.save_every": 2,
+                                                                          "train.dtype": "bf16"})))
+    with pytest.raises(FlashdraftError, match=r"optimizer state in .*step-00000002 does not fit this run"):
+        train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 4})))
