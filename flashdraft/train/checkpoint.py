@@ -1,8 +1,8 @@
 """Training checkpoints: the drafter in the export format plus everything `resume` needs.
 
-`<out_dir>/checkpoints/step-00000100/` holds `drafter/` (config.json + model.safetensors in fp32) and
-`trainer_state.pt` (optimizer, with the fp32 master weights when the drafter trains in bf16; scheduler,
-sampler position, RNG states, step). It is
+`<out_dir>/checkpoints/step-00000100/` holds `drafter/` (config.json + model.safetensors in the weights'
+dtype) and `trainer_state.pt` (optimizer, with the fp32 master weights when the drafter trains in bf16;
+scheduler, sampler position, RNG states, step). It is
 written under a temporary name and renamed into place, so a crash at any moment leaves either the
 previous checkpoints or a complete new one; keep the last K.
 """
@@ -70,7 +70,9 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_drafter(drafter, tmp / "drafter", dtype=torch.float32)
+        # In the weights' own dtype: with bf16 weights the fp32 masters are in the optimizer state, and an
+        # fp32 copy of bf16 values would only add 2 bytes per parameter to every write.
+        save_drafter(drafter, tmp / "drafter", dtype=next(drafter.parameters()).dtype)
         if os.environ.get(FAULT_ENV) == f"diskfull@{step}":  # the supervision tests' simulated full disk
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         torch.save({**trainer_state, "rng": rng_state()}, tmp / STATE_NAME)

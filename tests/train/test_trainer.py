@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
@@ -138,6 +139,8 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
     monkeypatch.delenv("FLASHDRAFT_FAULT")
     state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
     assert all(s["master"].dtype == torch.float32 for s in state["optimizer"]["state"])
+    # the drafter copy is in the weights' dtype (bf16): the fp32 masters are in the optimizer state
+    assert {t.dtype for t in load_file(crashed / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors").values()} == {torch.bfloat16}
     train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
     a, b = _losses(straight), _losses(crashed)
     assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
