@@ -29,6 +29,10 @@ def global_norm(grads: list[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def _ensure_grads(params: list[Tensor]) -> list[Tensor]:
     """Every parameter's gradient; a parameter that got none (e.g. unused this step) gets zeros, so ranks agree."""
     for p in params:
@@ -40,18 +44,15 @@ def _ensure_grads(params: list[Tensor]) -> list[Tensor]:
 class ClippedAdamW(torch.optim.AdamW):
     """torch's AdamW over fp32 parameters; fp32 `.grad` accumulates over backward passes by itself."""
 
-    def params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
     def accumulate_gradients(self) -> None:
         pass
 
     def gradients(self, fp32: bool = False) -> list[Tensor]:
-        return _ensure_grads(self.params())
+        return _ensure_grads(_params(self))
 
     def clip_and_step(self, max_norm: float) -> Tensor:
         """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync)."""
-        params = self.params()
+        params = _params(self)
         if not self.defaults.get("fused"):
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             self.step()
@@ -96,16 +97,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.update = update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
-        for p in self.params():  # allocated now: an out-of-memory shows at start-up, not at the first step
+        for p in _params(self):  # allocated now: an out-of-memory shows at start-up, not at the first step
             self.state[p].update(master=p.detach().float().clone(), exp_avg=torch.zeros_like(p, dtype=torch.float32),
                                  exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
-    def params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
-
     def accumulate_gradients(self) -> None:
         """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
-        for p in self.params():
+        for p in _params(self):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -118,7 +116,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def gradients(self, fp32: bool = False) -> list[Tensor]:
         """The step's gradients: fp32 sums if anything was accumulated (or `fp32`, e.g. before an
         all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
-        params = self.params()
+        params = _params(self)
         if fp32 or any("grad_sum" in self.state[p] for p in params):
             _ensure_grads(params)
             self.accumulate_gradients()
@@ -139,11 +137,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         grads = self.gradients()
         self.steps += 1
         i = 0
-        for group in self.param_groups:
+        for group in (g for g in self.param_groups if g["params"]):
             beta1, beta2 = group["betas"]
-            first = group["params"][0] if group["params"] else None
-            if first is None:
-                continue
+            first = group["params"][0]
             values = torch.tensor([group["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32)
             if first.device.type == "cuda":  # pinned + non-blocking: no host-device sync
                 values = values.pin_memory()
@@ -159,12 +155,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         return {"steps": self.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in self.params()]}
+                "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in _params(self)]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore fp32 masters and moments exactly (torch's default would cast them to the bf16 param dtype)
         and set the parameters from the masters."""
-        params = self.params()
+        params = _params(self)
         saved = state_dict.get("state")
         if saved is None or len(saved) != len(params) or len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError("optimizer state does not match the drafter (another model, or fp32 weights: "
