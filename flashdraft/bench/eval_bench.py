@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/flashdraft-bench-eval", help="scratch directory (the target is written here)")
     parser.add_argument("--samples", type=int, default=256, help="target-generated training samples")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per training answer")
-    parser.add_argument("--steps", type=int, default=400, help="drafter training steps")
+    parser.add_argument("--steps", type=int, default=300, help="drafter training steps")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts decoded")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--workload", choices=("repeat", "random"), default="repeat",
@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         overrides += ["model.num_layers=2", "model.block_size=8", "train.num_anchors=32", "train.batch_size=8"]
     else:
-        overrides += ["train.num_anchors=256", "train.batch_size=4"]
+        # every anchor valid: a block of B fits in each answer at about new_tokens - B + 1 positions, and
+        # padded anchors would still cost drafter compute
+        overrides += [f"train.num_anchors={max(1, args.new_tokens - 16)}", "train.batch_size=16"]
     train(load_config(None, overrides))
     drafter = run / "checkpoints" / f"step-{args.steps:08d}" / "drafter"
     timings["train_s"] = round(time.perf_counter() - started, 1)

@@ -14,7 +14,7 @@ from rich.table import Table
 from flashdraft.data.chat import normalise, prompt_ids, read_records
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import Generation, generate
-from flashdraft.infer.report import acceptance_report, plot, write_json
+from flashdraft.infer.report import acceptance_report, plot, tokens_per_second, write_json
 from flashdraft.model.checkpoint import load_drafter
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 
@@ -80,10 +80,14 @@ def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSett
     run(encoded[0], False)
     spec, plain, divergences = [], [], []
     for i, prompt in enumerate(encoded):
-        spec.append(run(prompt, True))
-        plain.append(run(prompt, False))
+        spec_run, plain_run = run(prompt, True), run(prompt, False)
+        spec.append(spec_run)
+        plain.append(plain_run)
+        console.print(f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
+                      f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
+                      highlight=False)
         if settings.check_lossless:
-            diff = first_divergence(target, prompt, plain[-1].tokens, spec[-1].tokens)
+            diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
             if diff is not None:
                 divergences.append({"prompt": i, **diff})
     report = acceptance_report(spec, plain, block)

@@ -34,11 +34,11 @@ def acceptance_report(runs: list[Generation], baselines: list[Generation] | None
         "output_tokens": sum(len(r.tokens) for r in runs),
         "decode_seconds": sum(r.decode_seconds for r in runs),
     }
-    report["tokens_per_s"] = _tokens_per_s(runs)
+    report["tokens_per_s"] = tokens_per_second(runs)
     if baselines:
         tpot = statistics.mean(_tpot(r) for r in runs)
         base_tpot = statistics.mean(_tpot(r) for r in baselines)
-        report["baseline_tokens_per_s"] = _tokens_per_s(baselines)
+        report["baseline_tokens_per_s"] = tokens_per_second(baselines)
         report["speedup"] = base_tpot / tpot if tpot > 0 else float("nan")
     return report
 
@@ -47,7 +47,7 @@ def _tpot(run: Generation) -> float:
     return run.decode_seconds / max(1, len(run.tokens))
 
 
-def _tokens_per_s(runs: list[Generation]) -> float:
+def tokens_per_second(runs: list[Generation]) -> float:
     seconds = sum(r.decode_seconds for r in runs)
     return sum(len(r.tokens) for r in runs) / seconds if seconds > 0 else float("nan")
 
