@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
 # Usage on the device machine: FLASHDRAFT_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh tests|eval|train
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
-#   eval:  flashdraft bench eval, 8B-shaped target (~8 min)
+#   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
@@ -21,6 +21,7 @@ print('NVML:', gpu_usage())
 " 2>&1 | tee "$out/doctor.log" | grep -E "GPUs|flex_attention|NVML" ;;
   eval)
     python3 -m flashdraft bench eval --out "$out/eval_h200.json" > "$out/bench_eval.log" 2>&1
+    cp /tmp/flashdraft-bench-eval/eval.png "$out/" 2>/dev/null
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
