@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
-# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh tests|eval|train
+# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh tests|eval|probe|train
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
+#   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
@@ -23,6 +24,8 @@ print('NVML:', gpu_usage())
     python3 -m flashdraft bench eval --out "$out/eval_h200.json" > "$out/bench_eval.log" 2>&1
     cp /tmp/flashdraft-bench-eval/eval.png "$out/" 2>/dev/null
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
+  probe)
+    python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
 esac

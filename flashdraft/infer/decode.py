@@ -25,7 +25,7 @@ from flashdraft.infer.sampling import (
     sample,
     sampling_probs,
 )
-from flashdraft.model.attention import dense_mask
+from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel, DraftCache
 from flashdraft.model.target import TargetModel
 
@@ -95,70 +95,71 @@ def generate(
     chooses how drafts are proposed at temperature > 0; either way the output follows the target."""
     check_sampling(temperature, top_p, top_k)
     _check_target(target)
-    block = 1 if drafter is None else (block_size or drafter.block_size)
-    if drafter is not None:
-        drafter.eval()
-    device = target.device
-    input_ids = input_ids.to(device)
-    prompt_len = input_ids.shape[1]
-    max_len = prompt_len + max_new_tokens
-    stops = set(stop_token_ids or [])
-    greedy = temperature == 0
+    with decoding_attention_kernels():  # a new key length every step: see decoding_attention_kernels
+        block = 1 if drafter is None else (block_size or drafter.block_size)
+        if drafter is not None:
+            drafter.eval()
+        device = target.device
+        input_ids = input_ids.to(device)
+        prompt_len = input_ids.shape[1]
+        max_len = prompt_len + max_new_tokens
+        stops = set(stop_token_ids or [])
+        greedy = temperature == 0
 
-    def pick(logits: Tensor) -> int:
-        return int(logits.argmax(-1)) if greedy else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
+        def pick(logits: Tensor) -> int:
+            return int(logits.argmax(-1)) if greedy else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
 
-    mask_id = drafter.mask_token_id if drafter is not None else 0
-    output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
-    output[:prompt_len] = input_ids[0]
-    cache = DynamicCache(config=target.model.config)
-    draft_cache = DraftCache()
+        mask_id = drafter.mask_token_id if drafter is not None else 0
+        output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
+        output[:prompt_len] = input_ids[0]
+        cache = DynamicCache(config=target.model.config)
+        draft_cache = DraftCache()
 
-    started = _sync(device)
-    logits, features = target.forward_cached(input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1)
-    output[prompt_len] = pick(logits[0, -1])
-    context = features  # target features of committed tokens not yet in the draft cache
-    result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
+        started = _sync(device)
+        logits, features = target.forward_cached(input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1)
+        output[prompt_len] = pick(logits[0, -1])
+        context = features  # target features of committed tokens not yet in the draft cache
+        result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
 
-    started = _sync(device)
-    start = prompt_len  # index of the last committed token: the next block's anchor
-    stopped = int(output[start]) in stops
-    while start + 1 < max_len and not stopped:
-        size = min(block, max_len - start)
-        block_ids = output[start : start + size].clone()
-        draft_probs = None
-        if size > 1:
-            ctx_start = draft_cache.length
-            masks = _single_block_masks(drafter, start, start, size, device)
-            hidden = drafter(target.embed(block_ids[None]), context, torch.arange(ctx_start, start, device=device)[None],
-                             torch.arange(start, start + size, device=device)[None], masks, cache=draft_cache)
-            draft_logits = drafter.compute_logits(hidden[0, 1:], target.lm_head_weight)
-            if greedy or draft_sampling == "argmax":
-                block_ids[1:] = draft_logits.argmax(-1)
-                draft_probs = None if greedy else one_hot_probs(block_ids[1:], draft_logits.shape[-1])
+        started = _sync(device)
+        start = prompt_len  # index of the last committed token: the next block's anchor
+        stopped = int(output[start]) in stops
+        while start + 1 < max_len and not stopped:
+            size = min(block, max_len - start)
+            block_ids = output[start : start + size].clone()
+            draft_probs = None
+            if size > 1:
+                ctx_start = draft_cache.length
+                masks = _single_block_masks(drafter, start, start, size, device)
+                hidden = drafter(target.embed(block_ids[None]), context, torch.arange(ctx_start, start, device=device)[None],
+                                 torch.arange(start, start + size, device=device)[None], masks, cache=draft_cache)
+                draft_logits = drafter.compute_logits(hidden[0, 1:], target.lm_head_weight)
+                if greedy or draft_sampling == "argmax":
+                    block_ids[1:] = draft_logits.argmax(-1)
+                    draft_probs = None if greedy else one_hot_probs(block_ids[1:], draft_logits.shape[-1])
+                else:
+                    draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
+                    block_ids[1:] = sample(draft_probs, generator)
+            logits, features = target.forward_cached(block_ids[None], torch.arange(start, start + size, device=device)[None], cache)
+            if greedy:
+                accepted, bonus = greedy_accept(block_ids[1:], logits[0])
+            elif size > 1:
+                target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
+                accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
             else:
-                draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
-                block_ids[1:] = sample(draft_probs, generator)
-        logits, features = target.forward_cached(block_ids[None], torch.arange(start, start + size, device=device)[None], cache)
-        if greedy:
-            accepted, bonus = greedy_accept(block_ids[1:], logits[0])
-        elif size > 1:
-            target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
-            accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
-        else:
-            accepted, bonus = 0, pick(logits[0, -1])
-        output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
-        output[start + accepted + 1] = bonus
-        produced = min(accepted + 1, max_len - start - 1)
-        new = output[start + 1 : start + produced + 1].tolist()
-        for i, token in enumerate(new):
-            if token in stops:
-                produced, stopped = i + 1, True
-                break
-        start += produced
-        _crop(cache, start)  # the bonus token's K/V are computed by the next verify
-        result.accepted.append(produced)
-        context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
-    result.decode_seconds = _sync(device) - started
-    result.tokens = output[prompt_len : min(start + 1, max_len)].tolist()
-    return result
+                accepted, bonus = 0, pick(logits[0, -1])
+            output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
+            output[start + accepted + 1] = bonus
+            produced = min(accepted + 1, max_len - start - 1)
+            new = output[start + 1 : start + produced + 1].tolist()
+            for i, token in enumerate(new):
+                if token in stops:
+                    produced, stopped = i + 1, True
+                    break
+            start += produced
+            _crop(cache, start)  # the bonus token's K/V are computed by the next verify
+            result.accepted.append(produced)
+            context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
+        result.decode_seconds = _sync(device) - started
+        result.tokens = output[prompt_len : min(start + 1, max_len)].tolist()
+        return result

@@ -11,15 +11,18 @@ The rule (../shared/reference/dflash.md §1.7, §3.2), for a query at block posi
 
 `dense_mask` builds the mask as a boolean tensor for SDPA (CPU, decoding, tests);
 `flex_mask_mod` expresses the same rule for flex_attention's BlockMask (GPU training).
+`decoding_attention_kernels` picks SDPA kernels for loops whose key length changes every step.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashdraft.errors import FlashdraftError
 
@@ -112,3 +115,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, sca
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def decoding_attention_kernels() -> AbstractContextManager:
+    """SDPA without the cuDNN kernel, for decoding loops (target and drafter alike).
+
+    On the H200 (torch 2.11) SDPA prefers cuDNN attention, which builds an execution plan on the first call
+    of every new (query, key) length: 40-200 ms each. A decoding loop meets a new key length at every step,
+    so an 8-layer 4096-wide target spent 105 of every 106 ms per speculative step building plans; without
+    cuDNN the step took 12.5 ms, for shapes seen or unseen (benchmarks/sdpa_decode_probe.py and its result).
+    Flash, memory-efficient and math kernels have no per-shape setup."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

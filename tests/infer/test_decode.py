@@ -41,6 +41,21 @@ def test_greedy_speculative_equals_plain_greedy(pair):
     assert sum(taus) / len(taus) > 1.05  # the briefly trained drafter is accepted (chance: ~1.0)
 
 
+def test_decoding_never_uses_cudnn_attention(pair):
+    """cuDNN SDPA builds a plan per new key length (40-200 ms on the H200); decoding meets one every step."""
+    target, drafter = pair
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+             for m in (target.model, drafter)]
+    try:
+        generate(target, drafter, _prompts(1)[0], 12)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) > 2 and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored afterwards: training keeps torch's choice
+
+
 def test_stop_tokens_end_generation(pair):
     target, drafter = pair
     prompt = _prompts(1)[0]
