@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from flashdraft.bench.provenance import provenance
 from flashdraft.bench.train_bench import QWEN3_8B
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import LocalEngine, Sampling
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                       EvalSettings(max_new_tokens=args.max_new_tokens, check_lossless=True), device=device,
                       out=str(work / "eval.json"), plot_path=str(work / "eval.png"))
     timings["eval_s"] = round(time.perf_counter() - started, 1)
-    report.update({"benchmark": "flashdraft bench eval", "git_commit": os.environ.get("FLASHDRAFT_GIT_COMMIT"),
-                   "torch": torch.__version__, "target_shape": shape, "workload": args.workload, "training_steps": args.steps,
+    report.update({**provenance("eval", argv), "target_shape": shape, "workload": args.workload, "training_steps": args.steps,
                    "training_samples": args.samples, "timings": timings})
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from flashdraft.bench.provenance import provenance
 from flashdraft.data.regenerate import LocalEngine, Sampling
 
 ONE_B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, num_attention_heads=16,
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     plain_s = time.perf_counter() - started
     result = {
-        "benchmark": "flashdraft bench regen", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "git_commit": os.environ.get("FLASHDRAFT_GIT_COMMIT"), "target_params_B": round(params / 1e9, 2),
+        **provenance("regen", argv), "target_params_B": round(params / 1e9, 2),
         "prompts": args.prompts, "new_tokens": args.new_tokens, "batch_size": args.batch_size,
         "engine_tokens_per_s": round(engine_tokens / engine_s, 1), "engine_seconds": round(engine_s, 2),
         "plain_generate_tokens_per_s": round(plain_tokens / plain_s, 1), "plain_prompts_timed": args.plain_prompts,

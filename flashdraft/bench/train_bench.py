@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from flashdraft.bench.provenance import provenance
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.model.checkpoint import make_drafter_config
@@ -190,13 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                  num_layers=args.drafter_layers, compile=not args.no_compile,
                                  loss_chunk=args.loss_chunk, master_weights=not args.no_master_weights))
         torch.cuda.empty_cache()
-    commit = os.environ.get("FLASHDRAFT_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    report = {
-        "benchmark": "flashdraft bench train", "command": "flashdraft bench train " + " ".join(argv or []), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "python": platform.python_version(), "git_commit": commit,
-        "date": time.strftime("%Y-%m-%d"), "results": results,
-    }
+    report = {**provenance("train", argv), "results": results}
     header = f"{'shape':5} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}"
     print(header)
     for r in results:

@@ -167,3 +167,4 @@ def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
     report = json.loads(out.read_text())
     assert report["lossless"]["diverged"] == [] and report["tau"] >= 1.0 and report["speedup"] > 0
     assert report["timings"]["train_s"] > 0 and report["training_steps"] == 20
+    assert report["command"].startswith("flashdraft bench eval --tiny --work ") and report["date"] and report["device"].startswith("cpu")
