@@ -121,7 +121,7 @@ def decoding_attention_kernels() -> AbstractContextManager:
     """SDPA without the cuDNN kernel, for decoding loops (target and drafter alike).
 
     On the H200 (torch 2.11) SDPA prefers cuDNN attention, which builds an execution plan on the first call
-    of every new (query, key) length: 40-200 ms each. A decoding loop meets a new key length at every step:
+    of every new (query, key) length: 37-141 ms each. A decoding loop meets a new key length at every step:
     with an 8-layer 4096-wide target a speculative step took ~100 ms on unseen lengths against 13.5-19 ms on
     seen ones; without cuDNN it takes 13.6-18.8 ms either way (benchmarks/sdpa_decode_probe.py,
     benchmarks/results/sdpa_decode_probe_h200.json). Flash, memory-efficient and math have no per-shape setup."""
