@@ -49,7 +49,11 @@ def sdpa_first_call_costs() -> list[dict]:
                 for k in range(base, base + 20):
                     q = torch.randn(1, 32, 16, 128, device="cuda", dtype=torch.bfloat16)
                     kv = torch.randn(1, 8 if gqa else 32, k, 128, device="cuda", dtype=torch.bfloat16)
-                    mask = torch.ones(1, 1, 16, k, device="cuda", dtype=torch.bool).tril(k - 16) if masked else None
+                    mask = (
+                        torch.ones(1, 1, 16, k, device="cuda", dtype=torch.bool).tril(k - 16)
+                        if masked
+                        else None
+                    )
                     for times in (first, repeat):
                         started = _now()
                         try:
@@ -63,8 +67,10 @@ def sdpa_first_call_costs() -> list[dict]:
                         break
                 row = {"kernels": name, "masked": masked, "gqa": gqa, "supported": supported}
                 if supported:
-                    row |= {"first_call_ms": round(1e3 * sum(first) / len(first), 3),
-                            "repeat_ms": round(1e3 * sum(repeat) / len(repeat), 3)}
+                    row |= {
+                        "first_call_ms": round(1e3 * sum(first) / len(first), 3),
+                        "repeat_ms": round(1e3 * sum(repeat) / len(repeat), 3),
+                    }
                 rows.append(row)
                 print(row, flush=True)
     return rows
@@ -86,7 +92,9 @@ def generate_step_times() -> list[dict]:
     layer_ids = [1, 3, 5, 6, 7]
     target = TargetModel(model, layer_ids, name="probe target")
     with torch.device("cuda"):
-        drafter = DFlashDraftModel(make_drafter_config(config, mask_token_id=151669, target_layer_ids=layer_ids))
+        drafter = DFlashDraftModel(
+            make_drafter_config(config, mask_token_id=151669, target_layer_ids=layer_ids)
+        )
     drafter.init_weights()
     drafter.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -97,12 +105,21 @@ def generate_step_times() -> list[dict]:
         choice = decode.decoding_attention_kernels
         decode.decoding_attention_kernels = contextlib.nullcontext if name == "default" else choice
         try:
-            for label, length in (("prompt", 40), ("same prompt again", 40), ("new key lengths", new_prompt),
-                                  ("those again", new_prompt)):
+            for label, length in (
+                ("prompt", 40),
+                ("same prompt again", 40),
+                ("new key lengths", new_prompt),
+                ("those again", new_prompt),
+            ):
                 for mode, draft in (("speculative", drafter), ("plain", None)):
                     gen = decode.generate(target, draft, prompts[length], 96)
-                    row = {"kernels": name, "run": label, "mode": mode, "steps": len(gen.accepted),
-                           "ms_per_step": round(1e3 * gen.decode_seconds / len(gen.accepted), 2)}
+                    row = {
+                        "kernels": name,
+                        "run": label,
+                        "mode": mode,
+                        "steps": len(gen.accepted),
+                        "ms_per_step": round(1e3 * gen.decode_seconds / len(gen.accepted), 2),
+                    }
                     rows.append(row)
                     print(row, flush=True)
         finally:
@@ -114,8 +131,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "sdpa_first_call": sdpa_first_call_costs(), "generate": generate_step_times()}
+    result = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "sdpa_first_call": sdpa_first_call_costs(),
+        "generate": generate_step_times(),
+    }
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)

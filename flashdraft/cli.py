@@ -64,10 +64,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from flashdraft.data.regenerate import Sampling
 
     settings = PrepareSettings(
-        max_length=args.max_length, thinking=args.thinking, regenerate=args.regenerate, server_url=args.server_url,
-        server_model=args.server_model, concurrency=args.concurrency, batch_size=args.batch_size, limit=args.limit,
-        chunk=args.chunk, skip_bad_records=args.skip_bad_records, sampling=Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                            top_p=args.top_p, top_k=args.top_k, seed=args.seed))
+        max_length=args.max_length,
+        thinking=args.thinking,
+        regenerate=args.regenerate,
+        server_url=args.server_url,
+        server_model=args.server_model,
+        concurrency=args.concurrency,
+        batch_size=args.batch_size,
+        limit=args.limit,
+        chunk=args.chunk,
+        skip_bad_records=args.skip_bad_records,
+        sampling=Sampling(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        ),
+    )
     prepare(args.inputs, args.target, args.out, settings, command=args.command_line)
     return 0
 
@@ -75,10 +89,26 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from flashdraft.infer.evaluate import EvalSettings, run_eval
 
-    settings = EvalSettings(block_size=args.block_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, thinking=args.thinking, check_lossless=args.check_lossless,
-                            max_prompts=args.max_prompts, seed=args.seed)
-    run_eval(args.target, args.drafter, args.prompts, settings, device=args.device, out=args.out, plot_path=args.plot)
+    settings = EvalSettings(
+        block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        thinking=args.thinking,
+        check_lossless=args.check_lossless,
+        max_prompts=args.max_prompts,
+        seed=args.seed,
+    )
+    run_eval(
+        args.target,
+        args.drafter,
+        args.prompts,
+        settings,
+        device=args.device,
+        out=args.out,
+        plot_path=args.plot,
+    )
     return 0
 
 
@@ -100,14 +130,29 @@ def cmd_launch(args: argparse.Namespace) -> int:
             raise FlashdraftError(f"--env {item!r}: expected KEY=VALUE")
         key, value = item.split("=", 1)
         env[key] = value
-    info = launch(path, overrides, runs_dir=args.runs_dir, name=args.name, python=args.python, env=env,
-                  wait=not args.no_wait, wait_timeout=args.wait_timeout, stall_seconds=args.stall_seconds,
-                  doctor=not args.skip_doctor, nproc_per_node=args.nproc_per_node)
+    info = launch(
+        path,
+        overrides,
+        runs_dir=args.runs_dir,
+        name=args.name,
+        python=args.python,
+        env=env,
+        wait=not args.no_wait,
+        wait_timeout=args.wait_timeout,
+        stall_seconds=args.stall_seconds,
+        doctor=not args.skip_doctor,
+        nproc_per_node=args.nproc_per_node,
+    )
     if args.json:
         print(json.dumps(info, indent=1, default=str))
     else:
-        print(f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else ""))
-        print(f"  dir  {info['run_dir']}\n  log  flashdraft logs {info['run']} -f\n  stop flashdraft stop {info['run']}")
+        print(
+            f"run {info['run']}: {info['state']}"
+            + (f" — {info['diagnosis']}" if info.get("diagnosis") else "")
+        )
+        print(
+            f"  dir  {info['run_dir']}\n  log  flashdraft logs {info['run']} -f\n  stop flashdraft stop {info['run']}"
+        )
         if info.get("warning"):
             print(f"  warning: {info['warning']}")
     return 1 if info["state"] in ("failed", "killed", "lost") else 0
@@ -130,7 +175,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from flashdraft.run.monitor import find_run, stop_run
 
     info = stop_run(find_run(args.run, args.runs_dir), force=args.force, timeout=args.timeout)
-    print(f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else ""))
+    print(
+        f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else "")
+    )
     return 0 if info["state"] in ("stopped", "finished", "killed", "failed") else 1
 
 
@@ -172,21 +219,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="drafter directory to write")
     p.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (paper: 5)")
     p.add_argument("--block-size", type=int, default=16, help="block size B (paper: 16 for Qwen3)")
-    p.add_argument("--target-layer-ids", type=_int_list, default=None, help="e.g. 1,9,17,25,33 (default: the paper's rule)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: from the tokenizer)")
-    p.add_argument("--sliding-window", type=int, default=None, help="make the first layers sliding-window layers")
-    p.add_argument("--sliding-layers", type=int, default=None, help="how many leading layers slide (default: all but the last)")
+    p.add_argument(
+        "--target-layer-ids",
+        type=_int_list,
+        default=None,
+        help="e.g. 1,9,17,25,33 (default: the paper's rule)",
+    )
+    p.add_argument(
+        "--mask-token-id", type=int, default=None, help="mask token id (default: from the tokenizer)"
+    )
+    p.add_argument(
+        "--sliding-window", type=int, default=None, help="make the first layers sliding-window layers"
+    )
+    p.add_argument(
+        "--sliding-layers",
+        type=int,
+        default=None,
+        help="how many leading layers slide (default: all but the last)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
 
-    p = sub.add_parser("prepare", help="chat datasets -> target-regenerated responses -> tokenized shards with loss masks")
+    p = sub.add_parser(
+        "prepare", help="chat datasets -> target-regenerated responses -> tokenized shards with loss masks"
+    )
     p.add_argument("inputs", nargs="+", help="JSONL / JSON / Parquet files or datasets save_to_disk folders")
     p.add_argument("--target", required=True, help="target model directory (its tokenizer and chat template)")
     p.add_argument("--out", required=True, help="output shard directory")
     p.add_argument("--max-length", type=int, default=3072, help="drop samples longer than this")
-    p.add_argument("--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)")
-    p.add_argument("--regenerate", action="store_true", help="replace every assistant turn with the target's own answer")
-    p.add_argument("--server-url", default=None, help="OpenAI-compatible server (SGLang, vLLM) to regenerate with")
+    p.add_argument(
+        "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
+    )
+    p.add_argument(
+        "--regenerate", action="store_true", help="replace every assistant turn with the target's own answer"
+    )
+    p.add_argument(
+        "--server-url", default=None, help="OpenAI-compatible server (SGLang, vLLM) to regenerate with"
+    )
     p.add_argument("--server-model", default=None, help="model name to send to the server")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight to the server")
     p.add_argument("--batch-size", type=int, default=64, help="batch size of in-process generation")
@@ -197,8 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit", type=int, default=0, help="use only the first N conversations")
-    p.add_argument("--skip-bad-records", action="store_true",
-                   help="skip malformed or invalid records (each reported with file and line) instead of stopping")
+    p.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="skip malformed or invalid records (each reported with file and line) instead of stopping",
+    )
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train a drafter: flashdraft train CONFIG [key=value ...]")
@@ -207,18 +279,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     runs_help = "runs directory (default $FLASHDRAFT_RUNS_DIR or ./runs)"
-    p = sub.add_parser("launch", help="start a detached, supervised training run; returns once it is up or has failed")
+    p = sub.add_parser(
+        "launch", help="start a detached, supervised training run; returns once it is up or has failed"
+    )
     p.add_argument("config", nargs="?", default=None, help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     p.add_argument("--runs-dir", default=None, help=runs_help)
     p.add_argument("--name", default=None, help="run name prefix (default: the config file's name)")
     p.add_argument("--python", default=None, help="interpreter for the job (default: this one)")
-    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the job's environment (repeatable)")
+    p.add_argument(
+        "--env", action="append", default=[], help="KEY=VALUE for the job's environment (repeatable)"
+    )
     p.add_argument("--no-wait", action="store_true", help="return as soon as the supervisor is started")
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to wait for the job to come up")
-    p.add_argument("--stall-seconds", type=float, default=600.0, help="heartbeat age after which a live job counts as hung")
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=600.0,
+        help="heartbeat age after which a live job counts as hung",
+    )
     p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
-    p.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel processes (one per GPU) through torchrun")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=1, help="data-parallel processes (one per GPU) through torchrun"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)
 
@@ -238,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stop", help="stop a run gracefully (checkpoint, then exit)")
     p.add_argument("run")
-    p.add_argument("--force", action="store_true", help="SIGKILL the job if it has not stopped within --timeout")
+    p.add_argument(
+        "--force", action="store_true", help="SIGKILL the job if it has not stopped within --timeout"
+    )
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--runs-dir", default=None, help=runs_help)
     p.set_defaults(func=cmd_stop)
@@ -252,19 +337,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="speculative decoding: τ, per-position acceptance, speedup, losslessness")
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--drafter", required=True, help="drafter directory")
-    p.add_argument("--prompts", required=True, help="JSONL of messages / conversations / prompt / input_ids records")
+    p.add_argument(
+        "--prompts", required=True, help="JSONL of messages / conversations / prompt / input_ids records"
+    )
     p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)")
+    p.add_argument(
+        "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
+    )
     p.add_argument("--check-lossless", action="store_true", help="also report where greedy outputs diverge")
     p.add_argument("--max-prompts", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=None, help="write the report as JSON")
-    p.add_argument("--plot", default=None, help="write a PNG of per-position acceptance and the length histogram")
+    p.add_argument(
+        "--plot", default=None, help="write a PNG of per-position acceptance and the length histogram"
+    )
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval")

@@ -31,8 +31,12 @@ class ModelConfig:
     drafter: str = doc("", "Existing drafter directory to warm-start from; empty builds a new drafter.")
     num_layers: int = doc(5, "Decoder layers of a new drafter (paper: 5).")
     block_size: int = doc(16, "Block size B of a new drafter: 1 anchor + B-1 masked positions.")
-    target_layer_ids: list[int] | None = doc(None, "Target layers whose outputs feed the drafter; default spreads num_layers ids from 1 to L-3.")
-    mask_token_id: int | None = doc(None, "Token id used for masked block positions; default from the tokenizer or the Qwen3 convention.")
+    target_layer_ids: list[int] | None = doc(
+        None, "Target layers whose outputs feed the drafter; default spreads num_layers ids from 1 to L-3."
+    )
+    mask_token_id: int | None = doc(
+        None, "Token id used for masked block positions; default from the tokenizer or the Qwen3 convention."
+    )
 
 
 @dataclass
@@ -59,10 +63,15 @@ class TrainConfig:
     seed: int = doc(0, "Seed of initialisation, data order and anchor sampling.")
     device: str = doc("auto", "'auto' (cuda if present), 'cuda', 'cuda:N' or 'cpu'.")
     dtype: str = doc("auto", "Compute dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'.")
-    master_weights: bool = doc(True, "With bf16: bf16 weights and gradients in the drafter, fp32 master weights, moments "
-                               "and gradient sums in the optimizer (faster). false: fp32 weights under bf16 autocast.")
+    master_weights: bool = doc(
+        True,
+        "With bf16: bf16 weights and gradients in the drafter, fp32 master weights, moments "
+        "and gradient sums in the optimizer (faster). false: fp32 weights under bf16 autocast.",
+    )
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
-    compile: bool = doc(True, "torch.compile the drafter layers and loss on GPU (flex attention requires it).")
+    compile: bool = doc(
+        True, "torch.compile the drafter layers and loss on GPU (flex attention requires it)."
+    )
     activation_checkpointing: bool = doc(False, "Recompute drafter layer activations in the backward pass.")
     loss_chunk: int = doc(2048, "Block positions per LM-head chunk of the fused cross-entropy.")
     log_every: int = doc(10, "Optimizer steps between metric lines.")
@@ -142,7 +151,9 @@ def _section_fields(cls: type) -> dict[str, dataclasses.Field]:
 
 def _unknown(key: str, known: list[str], source: str) -> FlashdraftError:
     close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
-    hint = f" (did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?)" if close else ""
+    hint = (
+        f" (did you mean '{key.rsplit('.', 1)[0] + '.' if '.' in key else ''}{close[0]}'?)" if close else ""
+    )
     return FlashdraftError(f"{source}: unknown config key '{key}'{hint}")
 
 
@@ -197,9 +208,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
-            raise FlashdraftError(f"config file {path}{line}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+            raise FlashdraftError(
+                f"config file {path}{line}: invalid YAML ({getattr(exc, 'problem', exc)})"
+            ) from None
         if not isinstance(data, dict):
-            raise FlashdraftError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+            raise FlashdraftError(
+                f"config file {path}: expected a mapping of sections, got {type(data).__name__}"
+            )
         _apply(config, data, "", str(path))
     for text in overrides or []:
         key, value = parse_override(text)
@@ -214,14 +229,20 @@ def validate(config: Config) -> None:
     checks = [
         (config.model.block_size >= 2, "model.block_size must be at least 2"),
         (config.model.num_layers >= 1, "model.num_layers must be at least 1"),
-        (config.data.max_length >= 2 * config.model.block_size, "data.max_length must be at least 2 * block_size"),
+        (
+            config.data.max_length >= 2 * config.model.block_size,
+            "data.max_length must be at least 2 * block_size",
+        ),
         (t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be at least 1"),
         (t.num_anchors >= 1, "train.num_anchors must be at least 1"),
         (t.lr > 0, "train.lr must be positive"),
         (0 <= t.warmup_ratio < 1, "train.warmup_ratio must be in [0, 1)"),
         (t.gamma is None or t.gamma > 0, "train.gamma must be positive"),
         (t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got {t.dtype!r}"),
-        (t.attention in ("auto", "flex", "sdpa"), f"train.attention must be auto, flex or sdpa, got {t.attention!r}"),
+        (
+            t.attention in ("auto", "flex", "sdpa"),
+            f"train.attention must be auto, flex or sdpa, got {t.attention!r}",
+        ),
         (t.keep_last >= 1, "train.keep_last must be at least 1"),
         (t.log_every >= 1 and t.save_every >= 1, "train.log_every and train.save_every must be at least 1"),
         (t.loss_chunk >= 1, "train.loss_chunk must be at least 1"),

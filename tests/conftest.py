@@ -20,7 +20,9 @@ def pytest_collection_modifyitems(config, items):
 def target_dirs(tmp_path_factory) -> dict[str, str]:
     """One tiny target per supported family: Qwen3, Llama, Qwen3.5 hybrid (multimodal wrapper)."""
     root = tmp_path_factory.mktemp("targets")
-    return {kind: str(save_tiny_target(root / kind, kind, num_layers=6)) for kind in ("qwen3", "llama", "qwen3_5")}
+    return {
+        kind: str(save_tiny_target(root / kind, kind, num_layers=6)) for kind in ("qwen3", "llama", "qwen3_5")
+    }
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ from flashdraft.errors import FlashdraftError
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  target: /t\ntrain:\n  lr: 1e-4\n  epochs: 2\n")
-    config = load_config(path, ["train.lr=3e-4", "data.train=[a.jsonl, b.jsonl]", "model.target_layer_ids=[1,2]"])
+    config = load_config(
+        path, ["train.lr=3e-4", "data.train=[a.jsonl, b.jsonl]", "model.target_layer_ids=[1,2]"]
+    )
     assert config.model.target == "/t" and config.train.lr == 3e-4 and config.train.epochs == 2
     assert config.data.train == ["a.jsonl", "b.jsonl"] and config.model.target_layer_ids == [1, 2]
 

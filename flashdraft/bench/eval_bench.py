@@ -35,20 +35,36 @@ from flashdraft.data.regenerate import LocalEngine, Sampling
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.train.trainer import train
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdraft bench eval")
-    parser.add_argument("--work", default="/tmp/flashdraft-bench-eval", help="scratch directory (the target is written here)")
+    parser.add_argument(
+        "--work", default="/tmp/flashdraft-bench-eval", help="scratch directory (the target is written here)"
+    )
     parser.add_argument("--samples", type=int, default=256, help="target-generated training samples")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per training answer")
     parser.add_argument("--steps", type=int, default=300, help="drafter training steps")
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts decoded")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--workload", choices=("repeat", "random"), default="repeat",
-                        help="repeat: a target whose continuation a drafter can learn; random: a chaotic one (see above)")
+    parser.add_argument(
+        "--workload",
+        choices=("repeat", "random"),
+        default="repeat",
+        help="repeat: a target whose continuation a drafter can learn; random: a chaotic one (see above)",
+    )
     parser.add_argument("--prompt-vocab", type=int, default=256, help="prompts use token ids below this")
     parser.add_argument("--lr", type=float, default=6e-4, help="drafter learning rate")
     parser.add_argument("--tiny", action="store_true", help="a tiny target on the CPU (tests)")
@@ -69,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     mask_id = vocab - 1
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.float32 if args.tiny else torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(
+            Qwen3Config(**shape), dtype=torch.float32 if args.tiny else torch.bfloat16
+        )
     model.eval()
     if args.workload == "repeat":
         with torch.no_grad():
@@ -80,13 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     # 1. the target's own greedy answers to random prompts: training data and held-out prompts
     g = torch.Generator().manual_seed(1)
     n = args.samples + args.prompts
-    prompts = [torch.randint(0, min(args.prompt_vocab, mask_id), (int(torch.randint(16, 65, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    answers = LocalEngine(model, None, Sampling(max_new_tokens=args.new_tokens), None, batch_size=128).generate_ids(prompts)
+    prompts = [
+        torch.randint(
+            0, min(args.prompt_vocab, mask_id), (int(torch.randint(16, 65, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
+    answers = LocalEngine(
+        model, None, Sampling(max_new_tokens=args.new_tokens), None, batch_size=128
+    ).generate_ids(prompts)
     with (work / "train.jsonl").open("w") as handle:
         for p, a in zip(prompts[: args.samples], answers[: args.samples], strict=True):
             handle.write(json.dumps({"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)}) + "\n")
-    (work / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples:]))
+    (work / "prompts.jsonl").write_text(
+        "".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples :])
+    )
     model.save_pretrained(work / "target")
     del model
     timings["data_s"] = round(time.perf_counter() - started, 1)
@@ -96,11 +122,25 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: never mix with an earlier one
-    overrides = [f"model.target={work / 'target'}", f"model.mask_token_id={mask_id}", f"data.train=[{work / 'train.jsonl'}]",
-                 f"train.out_dir={run}", f"train.max_steps={args.steps}", "train.resume=never", f"train.save_every={args.steps}",
-                 f"train.log_every={max(1, args.steps // 10)}", f"train.lr={args.lr}", f"train.device={device}"]
+    overrides = [
+        f"model.target={work / 'target'}",
+        f"model.mask_token_id={mask_id}",
+        f"data.train=[{work / 'train.jsonl'}]",
+        f"train.out_dir={run}",
+        f"train.max_steps={args.steps}",
+        "train.resume=never",
+        f"train.save_every={args.steps}",
+        f"train.log_every={max(1, args.steps // 10)}",
+        f"train.lr={args.lr}",
+        f"train.device={device}",
+    ]
     if args.tiny:
-        overrides += ["model.num_layers=2", "model.block_size=8", "train.num_anchors=32", "train.batch_size=8"]
+        overrides += [
+            "model.num_layers=2",
+            "model.block_size=8",
+            "train.num_anchors=32",
+            "train.batch_size=8",
+        ]
     else:
         # every anchor valid: a block of B fits in each answer at about new_tokens - B + 1 positions, and
         # padded anchors would still cost drafter compute
@@ -112,13 +152,31 @@ def main(argv: list[str] | None = None) -> int:
 
     # 3. real speculative decoding against plain decoding of the same target
     started = time.perf_counter()
-    report = run_eval(str(work / "target"), str(drafter), str(work / "prompts.jsonl"),
-                      EvalSettings(max_new_tokens=args.max_new_tokens, check_lossless=True), device=device,
-                      out=str(work / "eval.json"), plot_path=str(work / "eval.png"))
+    report = run_eval(
+        str(work / "target"),
+        str(drafter),
+        str(work / "prompts.jsonl"),
+        EvalSettings(max_new_tokens=args.max_new_tokens, check_lossless=True),
+        device=device,
+        out=str(work / "eval.json"),
+        plot_path=str(work / "eval.png"),
+    )
     timings["eval_s"] = round(time.perf_counter() - started, 1)
-    report.update({**provenance("eval", argv), "target_shape": shape, "workload": args.workload, "training_steps": args.steps,
-                   "training_samples": args.samples, "timings": timings})
+    report.update(
+        {
+            **provenance("eval", argv),
+            "target_shape": shape,
+            "workload": args.workload,
+            "training_steps": args.steps,
+            "training_samples": args.samples,
+            "timings": timings,
+        }
+    )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(json.dumps({k: report[k] for k in ("tau", "tau_pooled", "speedup", "tokens_per_s", "baseline_tokens_per_s")}))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("tau", "tau_pooled", "speedup", "tokens_per_s", "baseline_tokens_per_s")}
+        )
+    )
     return 0

@@ -17,7 +17,9 @@ def git_commit() -> str | None:
     if os.environ.get("FLASHDRAFT_GIT_COMMIT"):
         return os.environ["FLASHDRAFT_GIT_COMMIT"]
     try:
-        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return head.stdout.strip() or None
@@ -28,7 +30,9 @@ def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
     return {
         "benchmark": f"flashdraft bench {benchmark}",
         "command": " ".join(["flashdraft", "bench", benchmark, *(argv or [])]),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.machine()})",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 TARGET_KINDS = ("qwen3", "llama", "qwen3_5")
 
 
-def tiny_config(kind: str = "qwen3", *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 6, **overrides) -> PretrainedConfig:
+def tiny_config(
+    kind: str = "qwen3", *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 6, **overrides
+) -> PretrainedConfig:
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -35,7 +37,9 @@ def tiny_config(kind: str = "qwen3", *, vocab_size: int = 320, hidden_size: int 
         # Hybrid Gated DeltaNet + attention text model inside the multimodal wrapper (Qwen3.5/3.6 family).
         from transformers import Qwen3_5Config
 
-        layer_types = ["full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(num_layers)]
+        layer_types = [
+            "full_attention" if (i + 1) % 3 == 0 else "linear_attention" for i in range(num_layers)
+        ]
         text = dict(
             common,
             layer_types=layer_types,
@@ -57,7 +61,9 @@ def build_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
-def save_tiny_target(out: str | Path, kind: str = "qwen3", *, seed: int = 0, tokenizer=None, **config_kwargs) -> Path:
+def save_tiny_target(
+    out: str | Path, kind: str = "qwen3", *, seed: int = 0, tokenizer=None, **config_kwargs
+) -> Path:
     """Write a tiny random target to `out` (fp32 safetensors); returns the directory."""
     out = Path(out)
     model = build_model(tiny_config(kind, **config_kwargs), seed=seed)

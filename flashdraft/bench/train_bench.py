@@ -30,9 +30,18 @@ from flashdraft.train.step import Objective
 
 SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
 DATASHEET_TFLOPS, MEASURED_CEILING_TFLOPS = 989.0, 789.0
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1e6, tie_word_embeddings=False)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
 
 
 def build_target(layer_ids: list[int], num_layers: int) -> TargetModel:
@@ -50,7 +59,9 @@ def random_batch(shape: dict, vocab: int, seed: int) -> TokenBatch:
     ids = torch.randint(0, vocab - 300, (b, s), generator=g)
     mask = torch.ones(b, s, dtype=torch.long)
     mask[:, :64] = 0  # a short prompt, the rest supervised
-    return TokenBatch(ids, mask, torch.full((b,), s), [seed * 10 + i for i in range(b)])  # on the CPU; moved per step
+    return TokenBatch(
+        ids, mask, torch.full((b,), s), [seed * 10 + i for i in range(b)]
+    )  # on the CPU; moved per step
 
 
 class Timer:
@@ -77,22 +88,51 @@ class Timer:
         return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in self.events.items()}
 
 
-def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_layers: int, compile: bool,
-              loss_chunk: int = 1024, master_weights: bool = True) -> dict:
+def run_shape(
+    name: str,
+    target: TargetModel,
+    *,
+    steps: int,
+    warmup: int,
+    num_layers: int,
+    compile: bool,
+    loss_chunk: int = 1024,
+    master_weights: bool = True,
+) -> dict:
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
-    config = make_drafter_config(target.config, num_layers=num_layers, block_size=16, mask_token_id=151669,
-                                 target_layer_ids=target.layer_ids)
+    config = make_drafter_config(
+        target.config,
+        num_layers=num_layers,
+        block_size=16,
+        mask_token_id=151669,
+        target_layer_ids=target.layer_ids,
+    )
     with torch.device("cuda"):
         drafter = DFlashDraftModel(config)
     drafter.init_weights()
     loss_fn = WeightedHeadLoss(chunk=loss_chunk)
-    placement = parallelize(drafter, loss_fn, device=torch.device("cuda"), attention="flex" if compile else "sdpa",
-                            compile=compile, master_weights=master_weights)
-    objective = Objective(drafter, target, num_anchors=shape["anchors"], gamma=7.0, loss=loss_fn,
-                          attention=placement.attention, create_block_mask=placement.create_block_mask,
-                          autocast_dtype=placement.autocast_dtype)
-    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0, update=placement.optimizer_update)
+    placement = parallelize(
+        drafter,
+        loss_fn,
+        device=torch.device("cuda"),
+        attention="flex" if compile else "sdpa",
+        compile=compile,
+        master_weights=master_weights,
+    )
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=shape["anchors"],
+        gamma=7.0,
+        loss=loss_fn,
+        attention=placement.attention,
+        create_block_mask=placement.create_block_mask,
+        autocast_dtype=placement.autocast_dtype,
+    )
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, update=placement.optimizer_update
+    )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()
@@ -114,26 +154,44 @@ def run_shape(name: str, target: TargetModel, *, steps: int, warmup: int, num_la
             optimizer.clip_and_step(1.0)
             optimizer.zero_grad(set_to_none=True)
         if i >= warmup:
-            flops.append(step_flops(config, drafter.layer_kinds(), cpu_blocks, int(cpu_batch.lengths.sum()),
-                                    int((cpu_blocks.weights > 0).sum()), target.vocab_size))
+            flops.append(
+                step_flops(
+                    config,
+                    drafter.layer_kinds(),
+                    cpu_blocks,
+                    int(cpu_batch.lengths.sum()),
+                    int((cpu_blocks.weights > 0).sum()),
+                    target.vocab_size,
+                )
+            )
     times = timer.medians()
     breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")), drafter)
     f = flops[0]
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
     return {
-        "shape": name, **shape, "compiled": compile, "master_weights": master_weights, "loss_chunk": loss_chunk, "attention": placement.attention,
+        "shape": name,
+        **shape,
+        "compiled": compile,
+        "master_weights": master_weights,
+        "loss_chunk": loss_chunk,
+        "attention": placement.attention,
         "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
-        "target_ms": round(times["target_ms"], 2), "drafter_step_ms": round(times["drafter_step_ms"], 2),
+        "target_ms": round(times["target_ms"], 2),
+        "drafter_step_ms": round(times["drafter_step_ms"], 2),
         "drafter_tflop_per_step": round(f.total / 1e12, 2),
-        "drafter_tflop_breakdown": {"linear": round(f.linear / 1e12, 2), "lm_head": round(f.head / 1e12, 2),
-                                    "attention": round(f.attention / 1e12, 2)},
+        "drafter_tflop_breakdown": {
+            "linear": round(f.linear / 1e12, 2),
+            "lm_head": round(f.head / 1e12, 2),
+            "attention": round(f.attention / 1e12, 2),
+        },
         "drafter_tflops_achieved": round(tflops, 1),
         "mfu_vs_datasheet_989": round(tflops / DATASHEET_TFLOPS, 3),
         "mfu_vs_measured_789": round(tflops / MEASURED_CEILING_TFLOPS, 3),
         "samples_per_s_end_to_end": round(samples_per_s, 2),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        "warmup_s": round(compile_s, 1), "breakdown_ms": breakdown,
+        "warmup_s": round(compile_s, 1),
+        "breakdown_ms": breakdown,
     }
 
 
@@ -155,8 +213,12 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch, drafte
             w = blocks.weights.flatten()
             rows = w.nonzero().flatten()
             head = objective.target.lm_head_weight
-            loss, _ = objective.loss(hidden.flatten(0, 1).index_select(0, rows).to(head.dtype), head,
-                                     blocks.labels.flatten()[rows], w[rows])
+            loss, _ = objective.loss(
+                hidden.flatten(0, 1).index_select(0, rows).to(head.dtype),
+                head,
+                blocks.labels.flatten()[rows],
+                w[rows],
+            )
         with timer.span("drafter_backward"):
             (loss / w.sum()).backward()
         with timer.span("clip_and_adamw"):
@@ -174,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-layers", type=int, default=36)
     parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
-    parser.add_argument("--no-master-weights", action="store_true",
-                        help="fp32 weights under bf16 autocast instead of bf16 weights + fp32 master weights (for comparison)")
+    parser.add_argument(
+        "--no-master-weights",
+        action="store_true",
+        help="fp32 weights under bf16 autocast instead of bf16 weights + fp32 master weights (for comparison)",
+    )
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -184,17 +249,28 @@ def main(argv: list[str] | None = None) -> int:
     target = build_target([1, 9, 17, 25, 33], args.target_layers)
     results = []
     for name in args.shape or ["a", "b"]:
-        results.append(run_shape(name, target, steps=args.steps, warmup=args.warmup,
-                                 num_layers=args.drafter_layers, compile=not args.no_compile,
-                                 loss_chunk=args.loss_chunk, master_weights=not args.no_master_weights))
+        results.append(
+            run_shape(
+                name,
+                target,
+                steps=args.steps,
+                warmup=args.warmup,
+                num_layers=args.drafter_layers,
+                compile=not args.no_compile,
+                loss_chunk=args.loss_chunk,
+                master_weights=not args.no_master_weights,
+            )
+        )
         torch.cuda.empty_cache()
     report = {**provenance("train", argv), "results": results}
     header = f"{'shape':5} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}"
     print(header)
     for r in results:
-        print(f"{r['shape']:5} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} {r['drafter_tflop_per_step']:10.2f} "
-              f"{r['drafter_tflops_achieved']:8.1f} {r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
-              f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}")
+        print(
+            f"{r['shape']:5} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} {r['drafter_tflop_per_step']:10.2f} "
+            f"{r['drafter_tflops_achieved']:8.1f} {r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
+            f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}"
+        )
         print("      breakdown:", r["breakdown_ms"], "| warmup", r["warmup_s"], "s")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

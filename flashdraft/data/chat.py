@@ -13,8 +13,18 @@ from pathlib import Path
 
 from flashdraft.errors import FlashdraftError
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-                   "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -71,13 +81,17 @@ def normalise(record: dict, where: str) -> Conversation:
         raise FlashdraftError(f"{where}: empty conversation")
     for i, m in enumerate(messages):
         if m["role"] not in ROLES:
-            raise FlashdraftError(f"{where}: message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
+            raise FlashdraftError(
+                f"{where}: message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})"
+            )
         if not isinstance(m["content"], str):
             raise FlashdraftError(f"{where}: message {i} content must be a string")
     return Conversation(messages, None, where)
 
 
-def read_records(path: str | Path, on_error: Callable[[FlashdraftError], None] | None = None) -> list[tuple[dict, str]]:
+def read_records(
+    path: str | Path, on_error: Callable[[FlashdraftError], None] | None = None
+) -> list[tuple[dict, str]]:
     """(record, 'file line N') from a JSONL file, or from a JSON file holding a list. A malformed line is an
     error naming file and line, or, with `on_error`, reported to it and skipped (the other lines are kept)."""
     path = Path(path)
@@ -116,7 +130,9 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
     if not messages:
         raise FlashdraftError(f"{conversation.where}: no user turn to answer")
     if tokenizer is None:
-        raise FlashdraftError(f"{conversation.where}: text prompts need the target's tokenizer (none found next to the target)")
+        raise FlashdraftError(
+            f"{conversation.where}: text prompts need the target's tokenizer (none found next to the target)"
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
     kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}

@@ -36,8 +36,14 @@ class PrepareSettings:
     sampling: Sampling | None = None
 
 
-def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings, console: Console | None = None,
-            command: str | None = None) -> dict[str, Any]:
+def prepare(
+    inputs: list[str],
+    target: str,
+    out: str,
+    settings: PrepareSettings,
+    console: Console | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
     console = console or Console()
     tokenizer = load_target_tokenizer(target, required=True)
     out_dir = Path(out)
@@ -72,17 +78,26 @@ def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings,
     if settings.regenerate:
         sampling = settings.sampling or Sampling()
         if settings.server_url:
-            engine = ServerEngine(settings.server_url, settings.server_model, sampling, settings.thinking, settings.concurrency)
+            engine = ServerEngine(
+                settings.server_url, settings.server_model, sampling, settings.thinking, settings.concurrency
+            )
         else:
             from flashdraft.model.target import TargetModel
 
             model = TargetModel.load(target, [0]).model
             engine = LocalEngine(model, tokenizer, sampling, settings.thinking, settings.batch_size)
         # a conversation with only a prompt gets its answer generated too
-        items = [(i, m if any(x["role"] == "assistant" for x in m) else [*m, {"role": "assistant", "content": ""}])
-                 for i, m, _ in conversations]
-        done = regenerate(items, engine.complete, out_dir / "regenerated.jsonl", chunk=settings.chunk,
-                          on_progress=lambda n, total: console.print(f"regenerated {n}/{total}"))
+        items = [
+            (i, m if any(x["role"] == "assistant" for x in m) else [*m, {"role": "assistant", "content": ""}])
+            for i, m, _ in conversations
+        ]
+        done = regenerate(
+            items,
+            engine.complete,
+            out_dir / "regenerated.jsonl",
+            chunk=settings.chunk,
+            on_progress=lambda n, total: console.print(f"regenerated {n}/{total}"),
+        )
         conversations = [(i, done[i], where) for i, _, where in conversations]
         sampling_record = engine.describe()
 
@@ -102,18 +117,29 @@ def prepare(inputs: list[str], target: str, out: str, settings: PrepareSettings,
     if not samples:
         raise FlashdraftError(f"prepare: no sample kept ({dict(dropped)})")
     manifest = {
-        **tokenizer_fingerprint(tokenizer), "tokenizer_name": getattr(tokenizer, "name_or_path", target), "target": str(target),
-        "thinking": settings.thinking, "max_length": settings.max_length, "inputs": [str(p) for p in inputs],
-        "conversations": len(conversations), "samples": len(samples), "dropped": dict(dropped),
-        "tokens": total, "supervised_tokens": supervised, "regeneration": sampling_record,
-        "command": command or " ".join(sys.argv), "bad_records": bad_records[:100],
+        **tokenizer_fingerprint(tokenizer),
+        "tokenizer_name": getattr(tokenizer, "name_or_path", target),
+        "target": str(target),
+        "thinking": settings.thinking,
+        "max_length": settings.max_length,
+        "inputs": [str(p) for p in inputs],
+        "conversations": len(conversations),
+        "samples": len(samples),
+        "dropped": dict(dropped),
+        "tokens": total,
+        "supervised_tokens": supervised,
+        "regeneration": sampling_record,
+        "command": command or " ".join(sys.argv),
+        "bad_records": bad_records[:100],
     }
     write_shards(out_dir, samples, manifest)
 
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row("records read", str(len(conversations) + dropped["no assistant turn"] + dropped["bad record"]))
+    table.add_row(
+        "records read", str(len(conversations) + dropped["no assistant turn"] + dropped["bad record"])
+    )
     table.add_row("samples kept", str(len(samples)))
     for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))

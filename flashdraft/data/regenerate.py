@@ -39,20 +39,37 @@ Messages = list[dict[str, str]]
 class ServerEngine:
     """POST /v1/chat/completions to an OpenAI-compatible server, `concurrency` requests in flight."""
 
-    def __init__(self, url: str, model: str | None, sampling: Sampling, thinking: str | None, concurrency: int = 16,
-                 timeout: float = 600.0):
-        self.url = url.rstrip("/") + ("" if url.rstrip("/").endswith("/chat/completions") else "/v1/chat/completions")
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        sampling: Sampling,
+        thinking: str | None,
+        concurrency: int = 16,
+        timeout: float = 600.0,
+    ):
+        self.url = url.rstrip("/") + (
+            "" if url.rstrip("/").endswith("/chat/completions") else "/v1/chat/completions"
+        )
         self.model, self.sampling, self.thinking = model, sampling, thinking
         self.concurrency, self.timeout = concurrency, timeout
 
     def _one(self, messages: Messages) -> str:
-        body = {"model": self.model or "default", "messages": messages, "max_tokens": self.sampling.max_new_tokens,
-                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p, "seed": self.sampling.seed}
+        body = {
+            "model": self.model or "default",
+            "messages": messages,
+            "max_tokens": self.sampling.max_new_tokens,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
+            "seed": self.sampling.seed,
+        }
         if self.sampling.top_k:
             body["top_k"] = self.sampling.top_k
         if self.thinking is not None:  # SGLang and vLLM pass this to the chat template
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking == "on"}
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 reply = json.loads(response.read())
@@ -83,7 +100,9 @@ class LocalEngine:
 
     def _prompt(self, messages: Messages) -> list[int]:
         kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking == "on"}
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def complete(self, conversations: list[Messages]) -> list[str]:
@@ -96,9 +115,18 @@ class LocalEngine:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        pad = 0 if self.tokenizer is None else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
+        pad = (
+            0
+            if self.tokenizer is None
+            else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
+        )
         s = self.sampling
-        gen_kwargs = {"max_new_tokens": s.max_new_tokens, "do_sample": s.temperature > 0, "pad_token_id": pad, "eos_token_id": eos}
+        gen_kwargs = {
+            "max_new_tokens": s.max_new_tokens,
+            "do_sample": s.temperature > 0,
+            "pad_token_id": pad,
+            "eos_token_id": eos,
+        }
         if s.temperature > 0:
             gen_kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
         if self.on_gpu:
@@ -110,17 +138,24 @@ class LocalEngine:
             ids = torch.full((len(batch), width), pad or 0, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
             torch.manual_seed(s.seed + start)
-            generated = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs)
+            generated = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs
+            )
             for row, i in enumerate(batch):
                 new = generated[row, width:].tolist()
                 out[i] = new[: new.index(eos) + 1] if eos is not None and eos in new else new
         return out
 
     def describe(self) -> dict:
-        return {"engine": "local", "batch_size": self.batch_size, "static_cache": self.on_gpu, **asdict(self.sampling)}
+        return {
+            "engine": "local",
+            "batch_size": self.batch_size,
+            "static_cache": self.on_gpu,
+            **asdict(self.sampling),
+        }
 
 
 def read_journal(path: Path) -> dict[int, Messages]:

@@ -30,7 +30,9 @@ class Rendered:
 
 def _render_text(tokenizer, messages, *, add_generation_prompt: bool, thinking: str | None) -> str:
     kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
 
 
 def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -49,7 +51,9 @@ def special_ids(tokenizer) -> set[int]:
 def _mark_span(ids, offsets, mask, start_char: int, end_char: int, specials: set[int]) -> None:
     """Mask the tokens inside [start_char, end_char) up to and including the last special token there."""
     inside = [i for i, (s, e) in enumerate(offsets) if e > start_char and s < end_char and e > s]
-    inside += [i for i, (s, e) in enumerate(offsets) if s == e == start_char]  # zero-width specials at the edge
+    inside += [
+        i for i, (s, e) in enumerate(offsets) if s == e == start_char
+    ]  # zero-width specials at the edge
     inside = sorted(set(inside))
     if not inside:
         return
@@ -69,12 +73,18 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
         raise FlashdraftError(f"{where}: no assistant turn to learn from")
     if messages[0]["role"] == "assistant":
         raise FlashdraftError(f"{where}: the conversation starts with an assistant turn (no prompt)")
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
+    template = (
+        tokenizer.chat_template
+        if isinstance(tokenizer.chat_template, str)
+        else json.dumps(tokenizer.chat_template)
+    )
     if "{% generation %}" in template or "{%- generation %}" in template:
         return [_render_with_generation_markers(tokenizer, messages, thinking, where)]
 
     specials = special_ids(tokenizer)
-    full_text = _render_text(tokenizer, messages[: turns[-1] + 1], add_generation_prompt=False, thinking=thinking)
+    full_text = _render_text(
+        tokenizer, messages[: turns[-1] + 1], add_generation_prompt=False, thinking=thinking
+    )
     spans, consistent = [], True
     for i in turns:
         before = _render_text(tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking)
@@ -82,7 +92,8 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
         if not through.startswith(before):
             raise FlashdraftError(
                 f"{where}: the chat template renders assistant turn {i} differently from its generation prompt, "
-                "so the loss mask cannot be derived; check --thinking or the template")
+                "so the loss mask cannot be derived; check --thinking or the template"
+            )
         spans.append((len(before), len(through), through))
         consistent &= full_text.startswith(through)
     if consistent:
@@ -102,7 +113,9 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
 
 def _render_with_generation_markers(tokenizer, messages, thinking, where) -> Rendered:
     kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs)
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+    )
     mask = list(out["assistant_masks"])
     if not any(mask):
         raise FlashdraftError(f"{where}: the template's {{% generation %}} markers selected no tokens")
@@ -113,7 +126,11 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
     """Hashes that tie shards to the tokenizer and chat template they were made with."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
     specials = json.dumps(sorted(tokenizer.all_special_tokens)).encode()
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template or "")
+    template = (
+        tokenizer.chat_template
+        if isinstance(tokenizer.chat_template, str)
+        else json.dumps(tokenizer.chat_template or "")
+    )
     return {
         "tokenizer_sha256": hashlib.sha256(vocab + b"\0" + specials).hexdigest(),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),

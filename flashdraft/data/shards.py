@@ -20,7 +20,9 @@ from flashdraft.errors import FlashdraftError
 MANIFEST = "manifest.json"
 
 
-def write_shards(out: Path, samples: list[tuple[list[int], list[int]]], manifest: dict[str, Any], shard_size: int = 10_000) -> None:
+def write_shards(
+    out: Path, samples: list[tuple[list[int], list[int]]], manifest: dict[str, Any], shard_size: int = 10_000
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # the directory is incomplete until the new manifest lands
     for old in out.glob("shard-*.jsonl"):
@@ -60,7 +62,11 @@ def check_manifest(directory: Path, fingerprint: dict[str, str], target: str) ->
     if manifest.get("tokenizer_sha256") != fingerprint.get("tokenizer_sha256"):
         raise FlashdraftError(
             f"{directory}: these shards were made with another tokenizer ({manifest.get('tokenizer_name', '?')}) than the "
-            f"target {target}; run flashdraft prepare again with --target {target}")
+            f"target {target}; run flashdraft prepare again with --target {target}"
+        )
     if manifest.get("chat_template_sha256") != fingerprint.get("chat_template_sha256"):
-        print(f"warning: {directory} was rendered with a different chat template than {target}'s; "
-              "acceptance suffers if training and serving render differently", file=sys.stderr)
+        print(
+            f"warning: {directory} was rendered with a different chat template than {target}'s; "
+            "acceptance suffers if training and serving render differently",
+            file=sys.stderr,
+        )

@@ -9,7 +9,9 @@ from flashdraft.data.chat import read_records
 from flashdraft.errors import FlashdraftError
 
 
-def iter_records(paths: list[str], on_error: Callable[[FlashdraftError], None] | None = None) -> Iterator[tuple[dict, str]]:
+def iter_records(
+    paths: list[str], on_error: Callable[[FlashdraftError], None] | None = None
+) -> Iterator[tuple[dict, str]]:
     """(record, where) for every record of every input, in order; `where` names file and line or row.
     Malformed JSON lines raise, or go to `on_error` and are skipped."""
     for raw in paths:
@@ -44,7 +46,9 @@ def _from_datasets_dir(path: Path) -> Iterator[tuple[dict, str]]:
     try:
         import datasets
     except ImportError:
-        raise FlashdraftError(f"{path}: reading a save_to_disk folder needs datasets (pip install datasets)") from None
+        raise FlashdraftError(
+            f"{path}: reading a save_to_disk folder needs datasets (pip install datasets)"
+        ) from None
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
         if "train" not in data:

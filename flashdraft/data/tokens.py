@@ -28,7 +28,9 @@ class TokenBatch:
     seeds: list[int]  # per-row anchor seeds, derived from (seed, epoch, sample index)
 
     def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.seeds)
+        return TokenBatch(
+            self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.seeds
+        )
 
 
 @dataclass
@@ -73,12 +75,21 @@ def _parse(line: str, where: str) -> Sample:
     if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
         raise FlashdraftError(f"{where}: 'input_ids' must be a list of non-negative integers")
     if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
-        raise FlashdraftError(f"{where}: 'loss_mask' must be a list of 0/1 of the same length as input_ids ({len(ids)})")
+        raise FlashdraftError(
+            f"{where}: 'loss_mask' must be a list of 0/1 of the same length as input_ids ({len(ids)})"
+        )
     return Sample(ids, mask)
 
 
-def load_token_dataset(paths: list[str], *, max_length: int, block_size: int, vocab_size: int | None = None,
-                       fingerprint: dict[str, str] | None = None, target: str = "the target") -> TokenDataset:
+def load_token_dataset(
+    paths: list[str],
+    *,
+    max_length: int,
+    block_size: int,
+    vocab_size: int | None = None,
+    fingerprint: dict[str, str] | None = None,
+    target: str = "the target",
+) -> TokenDataset:
     """Samples truncated to `max_length`; those without one anchor (a supervised token with a whole block
     after it) are dropped and counted in `dropped`."""
     if not paths:
@@ -92,14 +103,18 @@ def load_token_dataset(paths: list[str], *, max_length: int, block_size: int, vo
                     continue
                 sample = _parse(line, f"{file} line {number}")
                 if vocab_size is not None and sample.input_ids and max(sample.input_ids) >= vocab_size:
-                    raise FlashdraftError(f"{file} line {number}: token id {max(sample.input_ids)} >= the target vocabulary ({vocab_size})")
+                    raise FlashdraftError(
+                        f"{file} line {number}: token id {max(sample.input_ids)} >= the target vocabulary ({vocab_size})"
+                    )
                 ids, mask = sample.input_ids[:max_length], sample.loss_mask[:max_length]
                 if not any(mask[: max(len(ids) - block_size + 1, 0)]):
                     dropped["no_anchor"] += 1
                     continue
                 samples.append(Sample(ids, mask))
     if not samples:
-        raise FlashdraftError(f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a block)")
+        raise FlashdraftError(
+            f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a block)"
+        )
     return TokenDataset(samples, dropped)
 
 
@@ -133,7 +148,12 @@ class EpochSampler:
         return self.epoch, indices
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "num_samples": self.num_samples, "seed": self.seed}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
@@ -144,7 +164,9 @@ class EpochSampler:
         self.epoch, self.position = state["epoch"], state["position"]
 
 
-def collate(dataset: TokenDataset, epoch: int, indices: list[int], seed: int, pad_multiple: int = 1) -> TokenBatch:
+def collate(
+    dataset: TokenDataset, epoch: int, indices: list[int], seed: int, pad_multiple: int = 1
+) -> TokenBatch:
     """Right-padded batch; the length is rounded up to `pad_multiple` so compiled shapes repeat."""
     samples = [dataset.samples[i] for i in indices]
     longest = max(len(s.input_ids) for s in samples)
@@ -158,7 +180,11 @@ def collate(dataset: TokenDataset, epoch: int, indices: list[int], seed: int, pa
     return TokenBatch(ids, mask, lengths, [anchor_seed(seed, epoch, i) for i in indices])
 
 
-def iterate_batches(dataset: TokenDataset, batch_size: int, seed: int, pad_multiple: int = 1) -> Iterator[TokenBatch]:
+def iterate_batches(
+    dataset: TokenDataset, batch_size: int, seed: int, pad_multiple: int = 1
+) -> Iterator[TokenBatch]:
     """Every sample once, in file order (held-out evaluation)."""
     for start in range(0, len(dataset), batch_size):
-        yield collate(dataset, 0, list(range(start, min(start + batch_size, len(dataset)))), seed, pad_multiple)
+        yield collate(
+            dataset, 0, list(range(start, min(start + batch_size, len(dataset)))), seed, pad_multiple
+        )

@@ -77,9 +77,13 @@ def parallelize(
     attention = ("flex" if on_gpu else "sdpa") if attention == "auto" else attention
     compile = compile and on_gpu
     if attention == "flex" and not on_gpu:
-        raise FlashdraftError("train.attention=flex needs a CUDA GPU; use train.attention=sdpa (exact) on the CPU")
+        raise FlashdraftError(
+            "train.attention=flex needs a CUDA GPU; use train.attention=sdpa (exact) on the CPU"
+        )
     if attention == "flex" and not compile:
-        raise FlashdraftError("train.attention=flex needs train.compile=true (eager flex_attention materialises dense scores)")
+        raise FlashdraftError(
+            "train.attention=flex needs train.compile=true (eager flex_attention materialises dense scores)"
+        )
     if dtype == "auto":
         dtype = "bf16" if on_gpu else "fp32"
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
@@ -105,5 +109,13 @@ def parallelize(
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 
         create_block_mask = torch.compile(_create_block_mask)
-    return Placement(device, attention, compile, autocast_dtype, param_dtype, create_block_mask, optimizer_update,
-                     pad_multiple=256 if compile else 1)
+    return Placement(
+        device,
+        attention,
+        compile,
+        autocast_dtype,
+        param_dtype,
+        create_block_mask,
+        optimizer_update,
+        pad_multiple=256 if compile else 1,
+    )

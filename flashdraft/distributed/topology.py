@@ -43,14 +43,19 @@ def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topo
         raise FlashdraftError(f"train.device={device_name}: no CUDA GPU is visible to rank {topo.rank}")
     if use_cuda:
         if topo.local_rank >= torch.cuda.device_count():
-            raise FlashdraftError(f"rank {topo.rank}: local rank {topo.local_rank} but only {torch.cuda.device_count()} GPUs visible")
+            raise FlashdraftError(
+                f"rank {topo.rank}: local rank {topo.local_rank} but only {torch.cuda.device_count()} GPUs visible"
+            )
         device = torch.device("cuda", topo.local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes),
-                                **({"device_id": device} if use_cuda else {}))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            **({"device_id": device} if use_cuda else {}),
+        )
     return topo, device
 
 

@@ -34,7 +34,9 @@ from flashdraft.model.target import TargetModel
 class Generation:
     prompt_len: int
     tokens: list[int]  # generated tokens (the first comes from the prefill)
-    accepted: list[int] = field(default_factory=list)  # tokens committed per decode step (accepted drafts + 1)
+    accepted: list[int] = field(
+        default_factory=list
+    )  # tokens committed per decode step (accepted drafts + 1)
     decode_seconds: float = 0.0  # decode loop only (prefill excluded, as z-lab's TPOT)
     prefill_seconds: float = 0.0
 
@@ -49,7 +51,9 @@ def _sync(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _single_block_masks(drafter: DFlashDraftModel, ctx_len: int, start: int, block: int, device) -> dict | None:
+def _single_block_masks(
+    drafter: DFlashDraftModel, ctx_len: int, start: int, block: int, device
+) -> dict | None:
     kinds = drafter.layer_kinds()
     if all(not k.causal and k.window is None for k in kinds):
         return None  # one block over all of its context: nothing to mask
@@ -107,7 +111,11 @@ def generate(
         greedy = temperature == 0
 
         def pick(logits: Tensor) -> int:
-            return int(logits.argmax(-1)) if greedy else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
+            return (
+                int(logits.argmax(-1))
+                if greedy
+                else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
+            )
 
         mask_id = drafter.mask_token_id if drafter is not None else 0
         output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
@@ -116,7 +124,9 @@ def generate(
         draft_cache = DraftCache()
 
         started = _sync(device)
-        logits, features = target.forward_cached(input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1)
+        logits, features = target.forward_cached(
+            input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1
+        )
         output[prompt_len] = pick(logits[0, -1])
         context = features  # target features of committed tokens not yet in the draft cache
         result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
@@ -131,8 +141,14 @@ def generate(
             if size > 1:
                 ctx_start = draft_cache.length
                 masks = _single_block_masks(drafter, start, start, size, device)
-                hidden = drafter(target.embed(block_ids[None]), context, torch.arange(ctx_start, start, device=device)[None],
-                                 torch.arange(start, start + size, device=device)[None], masks, cache=draft_cache)
+                hidden = drafter(
+                    target.embed(block_ids[None]),
+                    context,
+                    torch.arange(ctx_start, start, device=device)[None],
+                    torch.arange(start, start + size, device=device)[None],
+                    masks,
+                    cache=draft_cache,
+                )
                 draft_logits = drafter.compute_logits(hidden[0, 1:], target.lm_head_weight)
                 if greedy or draft_sampling == "argmax":
                     block_ids[1:] = draft_logits.argmax(-1)
@@ -140,7 +156,9 @@ def generate(
                 else:
                     draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
                     block_ids[1:] = sample(draft_probs, generator)
-            logits, features = target.forward_cached(block_ids[None], torch.arange(start, start + size, device=device)[None], cache)
+            logits, features = target.forward_cached(
+                block_ids[None], torch.arange(start, start + size, device=device)[None], cache
+            )
             if greedy:
                 accepted, bonus = greedy_accept(block_ids[1:], logits[0])
             elif size > 1:

@@ -32,32 +32,60 @@ class EvalSettings:
     seed: int = 0
 
 
-def first_divergence(target: TargetModel, prompt: torch.Tensor, reference: list[int], other: list[int]) -> dict[str, Any] | None:
+def first_divergence(
+    target: TargetModel, prompt: torch.Tensor, reference: list[int], other: list[int]
+) -> dict[str, Any] | None:
     """Where two greedy outputs part, and the target's top-1 minus top-2 logit there (bf16 near-ties can flip)."""
     for i, (a, b) in enumerate(zip(reference, other, strict=False)):
         if a != b:
             with torch.no_grad():
-                ids = torch.cat([prompt.to(target.device), torch.tensor([reference[:i]], device=target.device)], 1)
+                ids = torch.cat(
+                    [prompt.to(target.device), torch.tensor([reference[:i]], device=target.device)], 1
+                )
                 logits = target.model(ids).logits[0, -1].float()
             top2 = torch.topk(logits, 2).values
-            return {"position": i, "plain_token": a, "speculative_token": b, "logit_margin": float(top2[0] - top2[1])}
+            return {
+                "position": i,
+                "plain_token": a,
+                "speculative_token": b,
+                "logit_margin": float(top2[0] - top2[1]),
+            }
     if len(reference) != len(other):
         n = min(len(reference), len(other))
-        return {"position": n, "plain_token": reference[n] if n < len(reference) else None,
-                "speculative_token": other[n] if n < len(other) else None, "logit_margin": None}
+        return {
+            "position": n,
+            "plain_token": reference[n] if n < len(reference) else None,
+            "speculative_token": other[n] if n < len(other) else None,
+            "logit_margin": None,
+        }
     return None
 
 
-def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSettings, *, device: str = "auto",
-             out: str | None = None, plot_path: str | None = None, console: Console | None = None) -> dict[str, Any]:
+def run_eval(
+    target_dir: str,
+    drafter_dir: str,
+    prompts: str,
+    settings: EvalSettings,
+    *,
+    device: str = "auto",
+    out: str | None = None,
+    plot_path: str | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
     console = console or Console()
     if settings.check_lossless and settings.temperature != 0:
         raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     target_path = Path(target_dir)
     target_config = load_target_config(target_path)
-    drafter = load_drafter(drafter_dir, target=target_config, device=dev,
-                           dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    drafter = load_drafter(
+        drafter_dir,
+        target=target_config,
+        device=dev,
+        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
+    )
     target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev)
     block = settings.block_size or drafter.block_size
     tokenizer = load_target_tokenizer(target_path)
@@ -65,16 +93,27 @@ def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSett
     records = read_records(prompts)
     if settings.max_prompts:
         records = records[: settings.max_prompts]
-    encoded = [torch.tensor([prompt_ids(normalise(r, where), tokenizer, settings.thinking)]) for r, where in records]
+    encoded = [
+        torch.tensor([prompt_ids(normalise(r, where), tokenizer, settings.thinking)]) for r, where in records
+    ]
     if not encoded:
         raise FlashdraftError(f"{prompts}: no prompts")
 
     g = torch.Generator(device=dev).manual_seed(settings.seed)
 
     def run(prompt: torch.Tensor, with_drafter: bool) -> Generation:
-        return generate(target, drafter if with_drafter else None, prompt, settings.max_new_tokens, block_size=block,
-                        temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
-                        stop_token_ids=stop_ids, generator=g)
+        return generate(
+            target,
+            drafter if with_drafter else None,
+            prompt,
+            settings.max_new_tokens,
+            block_size=block,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            stop_token_ids=stop_ids,
+            generator=g,
+        )
 
     run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
     run(encoded[0], False)
@@ -83,17 +122,25 @@ def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSett
         spec_run, plain_run = run(prompt, True), run(prompt, False)
         spec.append(spec_run)
         plain.append(plain_run)
-        console.print(f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
-                      f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
-                      highlight=False)
+        console.print(
+            f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
+            f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
+            highlight=False,
+        )
         if settings.check_lossless:
             diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
             if diff is not None:
                 divergences.append({"prompt": i, **diff})
     report = acceptance_report(spec, plain, block)
-    report.update({"target": str(target_dir), "drafter": str(drafter_dir), "prompts_file": str(prompts),
-                   "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                   "settings": settings.__dict__})
+    report.update(
+        {
+            "target": str(target_dir),
+            "drafter": str(drafter_dir),
+            "prompts_file": str(prompts),
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "settings": settings.__dict__,
+        }
+    )
     if settings.check_lossless:
         report["lossless"] = {"identical": len(encoded) - len(divergences), "diverged": divergences}
 
@@ -108,11 +155,15 @@ def run_eval(target_dir: str, drafter_dir: str, prompts: str, settings: EvalSett
     rates = " ".join(f"{r:.2f}" for r in report["acceptance_by_position"])
     table.add_row("acceptance by position 1..B-1", rates)
     if settings.check_lossless:
-        table.add_row("lossless (identical / diverged)", f"{report['lossless']['identical']} / {len(divergences)}")
+        table.add_row(
+            "lossless (identical / diverged)", f"{report['lossless']['identical']} / {len(divergences)}"
+        )
     console.print(table)
     for d in divergences:
-        console.print(f"diverged: prompt {d['prompt']} at token {d['position']}: plain {d['plain_token']} vs "
-                      f"speculative {d['speculative_token']} (target logit margin {d['logit_margin']})")
+        console.print(
+            f"diverged: prompt {d['prompt']} at token {d['position']}: plain {d['plain_token']} vs "
+            f"speculative {d['speculative_token']} (target logit margin {d['logit_margin']})"
+        )
     if out:
         write_json(report, out)
     if plot_path:

@@ -15,7 +15,9 @@ from typing import Any
 from flashdraft.infer.decode import Generation
 
 
-def acceptance_report(runs: list[Generation], baselines: list[Generation] | None, block_size: int) -> dict[str, Any]:
+def acceptance_report(
+    runs: list[Generation], baselines: list[Generation] | None, block_size: int
+) -> dict[str, Any]:
     steps = [a for run in runs for a in run.accepted]
     reached = [0] * block_size  # reached[k]: steps whose first k drafts were all accepted
     hist = [0] * (block_size + 1)
@@ -69,8 +71,12 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     rates = report["acceptance_by_position"]
     left.bar(range(1, len(rates) + 1), rates, color="#3b7dd8")
-    left.set(xlabel="block position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
-             title=f"per-position acceptance (τ = {report['tau']:.2f})")
+    left.set(
+        xlabel="block position k",
+        ylabel="P(accept k | 1..k-1 accepted)",
+        ylim=(0, 1),
+        title=f"per-position acceptance (τ = {report['tau']:.2f})",
+    )
     hist = report["accepted_length_histogram"]
     right.bar([int(k) for k in hist], list(hist.values()), color="#d8773b")
     right.set(xlabel="tokens committed per step", ylabel="steps", title="accepted-length histogram")

@@ -18,7 +18,9 @@ from flashdraft.errors import FlashdraftError
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise FlashdraftError(f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got {temperature}, {top_p}, {top_k})")
+        raise FlashdraftError(
+            f"sampling: need temperature >= 0, 0 < top_p <= 1, top_k >= 0 (got {temperature}, {top_p}, {top_k})"
+        )
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
@@ -50,8 +52,9 @@ def greedy_accept(draft: Tensor, target_logits: Tensor) -> tuple[int, int]:
     return accepted, int(posterior[accepted])
 
 
-def rejection_accept(draft: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                     generator: torch.Generator | None = None) -> tuple[int, int]:
+def rejection_accept(
+    draft: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """draft [n]; draft_probs [n, V] (q per position); target_probs [n+1, V] (p per position)."""
     n = draft.shape[0]
     p = target_probs[:n].gather(-1, draft[:, None])[:, 0]

@@ -96,14 +96,22 @@ def check_against_target(config: PretrainedConfig, target: PretrainedConfig, sou
     spec = DFlashSpec.from_config(config, source)
     n_target = int(target.num_hidden_layers)
     if config.hidden_size != target.hidden_size:
-        raise FlashdraftError(f"{source}: 'hidden_size'={config.hidden_size} but the target's hidden size is {target.hidden_size}")
+        raise FlashdraftError(
+            f"{source}: 'hidden_size'={config.hidden_size} but the target's hidden size is {target.hidden_size}"
+        )
     if spec.num_target_layers != n_target:
-        raise FlashdraftError(f"{source}: 'num_target_layers'={spec.num_target_layers} but the target has {n_target} layers")
+        raise FlashdraftError(
+            f"{source}: 'num_target_layers'={spec.num_target_layers} but the target has {n_target} layers"
+        )
     bad = [i for i in spec.target_layer_ids if i >= n_target]
     if bad:
-        raise FlashdraftError(f"{source}: 'dflash_config.target_layer_ids' has {bad}, beyond the target's {n_target} layers")
+        raise FlashdraftError(
+            f"{source}: 'dflash_config.target_layer_ids' has {bad}, beyond the target's {n_target} layers"
+        )
     if not spec.mask_token_id < target.vocab_size:
-        raise FlashdraftError(f"{source}: 'dflash_config.mask_token_id'={spec.mask_token_id} is outside the target vocabulary ({target.vocab_size})")
+        raise FlashdraftError(
+            f"{source}: 'dflash_config.mask_token_id'={spec.mask_token_id} is outside the target vocabulary ({target.vocab_size})"
+        )
 
 
 def read_config(path: str | Path) -> Qwen3Config:
@@ -153,14 +161,18 @@ def load_drafter(
     if missing:
         raise FlashdraftError(f"{weights}: missing tensors {missing[:4]}{' …' if len(missing) > 4 else ''}")
     if unexpected:
-        raise FlashdraftError(f"{weights}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}")
+        raise FlashdraftError(
+            f"{weights}: unexpected tensors {unexpected[:4]}{' …' if len(unexpected) > 4 else ''}"
+        )
     for name, shape in expected.items():
         if state[name].shape != shape:
             why = ""
             if name == "fc.weight":
                 n_feat = len(DFlashSpec.from_config(config).target_layer_ids)
                 why = f" (= hidden_size x {n_feat} target_layer_ids x hidden_size; the target_layer_ids or hidden_size do not match the weights)"
-            raise FlashdraftError(f"{weights}: tensor '{name}' has shape {list(state[name].shape)}, expected {list(shape)}{why}")
+            raise FlashdraftError(
+                f"{weights}: tensor '{name}' has shape {list(state[name].shape)}, expected {list(shape)}{why}"
+            )
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
     model.rotary_emb = type(model.rotary_emb)(config).to(device)  # recompute inv_freq off the meta device
@@ -187,8 +199,17 @@ def save_drafter(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype =
     tmp.mkdir()
     try:
         config = model.config.to_dict()
-        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-        for noise in ("transformers_version", "id2label", "label2id", "_name_or_path", "problem_type", "chunk_size_feed_forward"):
+        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[
+            dtype
+        ]
+        for noise in (
+            "transformers_version",
+            "id2label",
+            "label2id",
+            "_name_or_path",
+            "problem_type",
+            "chunk_size_feed_forward",
+        ):
             config.pop(noise, None)
         rope = config.get("rope_parameters") or {}
         # Engines on older transformers read the flat fields; keep both spellings in step.
@@ -211,7 +232,9 @@ def resolve_mask_token_id(target_path: str | Path, target: PretrainedConfig, exp
     vocab = int(target.vocab_size)
     if explicit is not None:
         if not 0 <= explicit < vocab:
-            raise FlashdraftError(f"--mask-token-id {explicit} is outside the target vocabulary (0..{vocab - 1})")
+            raise FlashdraftError(
+                f"--mask-token-id {explicit} is outside the target vocabulary (0..{vocab - 1})"
+            )
         return explicit
     from flashdraft.model.target import load_target_tokenizer
 

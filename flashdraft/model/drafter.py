@@ -101,8 +101,13 @@ class DrafterAttention(nn.Module):
         # One GEMM for q, k and v of the block rows (a wider N runs closer to the matmul ceiling);
         # the tensors stay separate, so checkpoint names and gradients are unchanged.
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-                       None if self.q_proj.bias is None else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+        qkv = F.linear(
+            x,
+            torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+            None
+            if self.q_proj.bias is None
+            else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]),
+        )
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = apply_rope(self.q_norm(self._heads(q, self.num_heads)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)).transpose(1, 2), cos, sin)

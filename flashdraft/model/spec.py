@@ -52,20 +52,32 @@ class DFlashSpec:
     def from_config(cls, config: PretrainedConfig, source: str = "drafter config") -> DFlashSpec:
         archs = getattr(config, "architectures", None) or []
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise FlashdraftError(f"{source}: architectures={archs} is not a DFlash v1 drafter ({SUPPORTED_ARCHITECTURES[0]})")
+            raise FlashdraftError(
+                f"{source}: architectures={archs} is not a DFlash v1 drafter ({SUPPORTED_ARCHITECTURES[0]})"
+            )
         for name in UNSUPPORTED_FIELDS:
             value = draft_value(config, name)
             if value not in (None, 1, 1.0, 0, 0.0):
-                raise FlashdraftError(f"{source}: field '{name}'={value!r} is not supported by flashdraft yet")
+                raise FlashdraftError(
+                    f"{source}: field '{name}'={value!r} is not supported by flashdraft yet"
+                )
         num_layers = getattr(config, "num_hidden_layers", None)
         num_target_layers = draft_value(config, "num_target_layers")
         if not isinstance(num_target_layers, int) or num_target_layers < 1:
-            raise FlashdraftError(f"{source}: 'num_target_layers' is missing or not a positive integer ({num_target_layers!r})")
+            raise FlashdraftError(
+                f"{source}: 'num_target_layers' is missing or not a positive integer ({num_target_layers!r})"
+            )
         layer_ids = draft_value(config, "target_layer_ids")
         if layer_ids is None:
             layer_ids = build_target_layer_ids(num_target_layers, num_layers)
-        if not isinstance(layer_ids, (list, tuple)) or not layer_ids or not all(isinstance(i, int) for i in layer_ids):
-            raise FlashdraftError(f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of integers, got {layer_ids!r}")
+        if (
+            not isinstance(layer_ids, (list, tuple))
+            or not layer_ids
+            or not all(isinstance(i, int) for i in layer_ids)
+        ):
+            raise FlashdraftError(
+                f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of integers, got {layer_ids!r}"
+            )
         bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
         if bad:
             raise FlashdraftError(
@@ -73,10 +85,14 @@ class DFlashSpec:
             )
         mask_token_id = draft_value(config, "mask_token_id")
         if not isinstance(mask_token_id, int):
-            raise FlashdraftError(f"{source}: 'dflash_config.mask_token_id' is missing or not an integer ({mask_token_id!r})")
+            raise FlashdraftError(
+                f"{source}: 'dflash_config.mask_token_id' is missing or not an integer ({mask_token_id!r})"
+            )
         vocab = getattr(config, "vocab_size", None)
         if vocab is not None and not 0 <= mask_token_id < vocab:
-            raise FlashdraftError(f"{source}: 'dflash_config.mask_token_id'={mask_token_id} is outside the vocabulary (0..{vocab - 1})")
+            raise FlashdraftError(
+                f"{source}: 'dflash_config.mask_token_id'={mask_token_id} is outside the vocabulary (0..{vocab - 1})"
+            )
         block_size = draft_value(config, "block_size", 16)
         if not isinstance(block_size, int) or block_size < 2:
             raise FlashdraftError(f"{source}: 'block_size' must be an integer >= 2, got {block_size!r}")
@@ -100,9 +116,13 @@ def layer_kinds(config: PretrainedConfig, source: str = "drafter config") -> lis
         elif t == "sliding_attention":
             window = getattr(config, "sliding_window", None)
             if not isinstance(window, int) or window < 1:
-                raise FlashdraftError(f"{source}: layer {i} is 'sliding_attention' but 'sliding_window' is {window!r}")
+                raise FlashdraftError(
+                    f"{source}: layer {i} is 'sliding_attention' but 'sliding_window' is {window!r}"
+                )
             causal = True if explicit_causal is None else bool(explicit_causal)
             kinds.append(LayerKind(causal=causal, window=window))
         else:
-            raise FlashdraftError(f"{source}: 'layer_types[{i}]'={t!r}; expected full_attention or sliding_attention")
+            raise FlashdraftError(
+                f"{source}: 'layer_types[{i}]'={t!r}; expected full_attention or sliding_attention"
+            )
     return kinds

@@ -30,7 +30,9 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
 def load_target_config(path: str | Path) -> PretrainedConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FlashdraftError(f"target {path}: no config.json there (expected a local Hugging Face model directory)")
+        raise FlashdraftError(
+            f"target {path}: no config.json there (expected a local Hugging Face model directory)"
+        )
     try:
         return text_config(AutoConfig.from_pretrained(path))
     except (ValueError, OSError, KeyError) as exc:
@@ -42,7 +44,9 @@ def load_target_tokenizer(path: str | Path, *, required: bool = False):
     path = Path(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         if required:
-            raise FlashdraftError(f"target {path}: no tokenizer files there (tokenizer.json / tokenizer_config.json)")
+            raise FlashdraftError(
+                f"target {path}: no tokenizer files there (tokenizer.json / tokenizer_config.json)"
+            )
         return None
     from transformers import AutoTokenizer
 
@@ -61,7 +65,9 @@ def _decoder(model: nn.Module, num_layers: int) -> tuple[nn.ModuleList, nn.Modul
         layers = getattr(module, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) >= num_layers:
             return layers, getattr(module, "norm", None)
-    raise FlashdraftError(f"target {type(model).__name__}: could not find its list of {num_layers} decoder layers")
+    raise FlashdraftError(
+        f"target {type(model).__name__}: could not find its list of {num_layers} decoder layers"
+    )
 
 
 class TargetModel:
@@ -80,11 +86,15 @@ class TargetModel:
             raise FlashdraftError(f"{name}: {type(model).__name__} has no LM head (not a causal LM?)")
         self.lm_head_weight: Tensor = head.weight
         self.vocab_size = int(self.lm_head_weight.shape[0])
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self.set_layer_ids(layer_ids)
 
     @classmethod
-    def load(cls, path: str | Path, layer_ids, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> TargetModel:
+    def load(
+        cls, path: str | Path, layer_ids, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> TargetModel:
         path = Path(path)
         load_target_config(path)  # clear error for a missing or broken directory
         if dtype is None:
@@ -99,7 +109,9 @@ class TargetModel:
         layer_ids = list(layer_ids)
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
-            raise FlashdraftError(f"{self.name}: target_layer_ids {bad} are outside its {self.num_layers} layers")
+            raise FlashdraftError(
+                f"{self.name}: target_layer_ids {bad} are outside its {self.num_layers} layers"
+            )
         self.layer_ids = layer_ids
 
     @property
@@ -146,11 +158,15 @@ class TargetModel:
     @torch.no_grad()
     def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Concatenated features [b, S, n_feat*H] for teacher-forced sequences (no logits computed)."""
-        _, features = self._run_with_capture(stop_early=True, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        _, features = self._run_with_capture(
+            stop_early=True, input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        )
         return features
 
     @torch.no_grad()
-    def forward_cached(self, input_ids: Tensor, position_ids: Tensor, cache, logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+    def forward_cached(
+        self, input_ids: Tensor, position_ids: Tensor, cache, logits_to_keep: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """Logits and features of `input_ids` appended to `cache` (decoding: prefill and verify)."""
         kwargs = {
             "input_ids": input_ids,

@@ -39,7 +39,9 @@ def _versions(_: Config) -> Check:
 
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     if (major, minor) < (2, 6):
-        return Check("packages", False, f"torch {torch.__version__} is older than 2.6", "pip install 'torch>=2.6'")
+        return Check(
+            "packages", False, f"torch {torch.__version__} is older than 2.6", "pip install 'torch>=2.6'"
+        )
     return Check("packages", True, ", ".join(parts))
 
 
@@ -51,15 +53,23 @@ def _gpus(config: Config) -> Check:
     if not torch.cuda.is_available():
         if config.train.device == "auto":
             return Check("GPUs", None, "no CUDA GPU visible: training will run on the CPU (slow)")
-        return Check("GPUs", False, f"train.device={config.train.device} but no CUDA GPU is visible",
-                     "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+        return Check(
+            "GPUs",
+            False,
+            f"train.device={config.train.device} but no CUDA GPU is visible",
+            "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES",
+        )
     rows = []
     for i in range(torch.cuda.device_count()):
         free, total = torch.cuda.mem_get_info(i)
         rows.append(f"{i}: {torch.cuda.get_device_name(i)} {free / 2**30:.0f}/{total / 2**30:.0f} GiB free")
         if free < 0.5 * total:
-            return Check("GPUs", False, f"GPU {i} has only {free / 2**30:.0f} GiB free of {total / 2**30:.0f}",
-                         "another process holds it: flashdraft status, nvidia-smi")
+            return Check(
+                "GPUs",
+                False,
+                f"GPU {i} has only {free / 2**30:.0f} GiB free of {total / 2**30:.0f}",
+                "another process holds it: flashdraft status, nvidia-smi",
+            )
     return Check("GPUs", True, "; ".join(rows))
 
 
@@ -72,11 +82,22 @@ def _target(config: Config) -> Check:
         target = load_target_config(config.model.target)
     except FlashdraftError as exc:
         return Check("target", False, str(exc), "point model.target at a local Hugging Face model directory")
-    weights = list(Path(config.model.target).glob("*.safetensors")) + list(Path(config.model.target).glob("*.bin"))
+    weights = list(Path(config.model.target).glob("*.safetensors")) + list(
+        Path(config.model.target).glob("*.bin")
+    )
     if not weights:
-        return Check("target", False, f"target {config.model.target}: no weight files", "download or copy the weights there")
-    return Check("target", True, f"{config.model.target}: {target.model_type}, {target.num_hidden_layers} layers, "
-                                 f"hidden {target.hidden_size}, vocab {target.vocab_size}")
+        return Check(
+            "target",
+            False,
+            f"target {config.model.target}: no weight files",
+            "download or copy the weights there",
+        )
+    return Check(
+        "target",
+        True,
+        f"{config.model.target}: {target.model_type}, {target.num_hidden_layers} layers, "
+        f"hidden {target.hidden_size}, vocab {target.vocab_size}",
+    )
 
 
 def _drafter(config: Config) -> Check:
@@ -93,18 +114,30 @@ def _drafter(config: Config) -> Check:
             drafter = read_config(config.model.drafter)
             check_against_target(drafter, target, f"model.drafter={config.model.drafter}")
             return Check("drafter", True, f"{config.model.drafter} fits the target")
-        ids = config.model.target_layer_ids or build_target_layer_ids(target.num_hidden_layers, config.model.num_layers)
+        ids = config.model.target_layer_ids or build_target_layer_ids(
+            target.num_hidden_layers, config.model.num_layers
+        )
         bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]
         if bad:
-            return Check("drafter", False, f"model.target_layer_ids {bad} are outside the target's {target.num_hidden_layers} layers",
-                         f"choose ids in 0..{target.num_hidden_layers - 1}")
+            return Check(
+                "drafter",
+                False,
+                f"model.target_layer_ids {bad} are outside the target's {target.num_hidden_layers} layers",
+                f"choose ids in 0..{target.num_hidden_layers - 1}",
+            )
         mask = config.model.mask_token_id
         if mask is not None and not 0 <= mask < target.vocab_size:
-            return Check("drafter", False, f"model.mask_token_id={mask} is outside the vocabulary ({target.vocab_size})",
-                         "use an id inside the embedding, e.g. the first row past the tokenizer's entries")
+            return Check(
+                "drafter",
+                False,
+                f"model.mask_token_id={mask} is outside the vocabulary ({target.vocab_size})",
+                "use an id inside the embedding, e.g. the first row past the tokenizer's entries",
+            )
         return Check("drafter", True, f"new {config.model.num_layers}-layer drafter on target layers {ids}")
     except FlashdraftError as exc:
-        return Check("drafter", False, str(exc), "fix the drafter directory or drop model.drafter to start fresh")
+        return Check(
+            "drafter", False, str(exc), "fix the drafter directory or drop model.drafter to start fresh"
+        )
 
 
 def _data(config: Config) -> Check:
@@ -115,18 +148,29 @@ def _data(config: Config) -> Check:
     for raw in [*config.data.train, *config.data.eval]:
         path = Path(raw)
         if not path.exists():
-            return Check("data", False, f"data {path}: no such file or directory", "check the path (relative to the launch directory)")
+            return Check(
+                "data",
+                False,
+                f"data {path}: no such file or directory",
+                "check the path (relative to the launch directory)",
+            )
         first = path if path.is_file() else next(iter(sorted(path.glob("*.jsonl"))), None)
         if first is None:
-            return Check("data", False, f"data {path}: directory holds no .jsonl files", "point at the prepared shards")
+            return Check(
+                "data", False, f"data {path}: directory holds no .jsonl files", "point at the prepared shards"
+            )
         with first.open() as handle:
             line = handle.readline()
         try:
             record = json.loads(line)
             assert "input_ids" in record and "loss_mask" in record
         except (json.JSONDecodeError, AssertionError):
-            return Check("data", False, f"{first} line 1: not a tokenized sample with input_ids and loss_mask",
-                         "run flashdraft prepare first, or check the file")
+            return Check(
+                "data",
+                False,
+                f"{first} line 1: not a tokenized sample with input_ids and loss_mask",
+                "run flashdraft prepare first, or check the file",
+            )
     return Check("data", True, f"{len(config.data.train)} training source(s) readable")
 
 
@@ -134,7 +178,9 @@ def _output(config: Config) -> Check:
     out = Path(config.train.out_dir)
     probe_dir = out if out.exists() else next((p for p in out.parents if p.exists()), Path("/"))
     if not os.access(probe_dir, os.W_OK):
-        return Check("output", False, f"{probe_dir} is not writable", "choose train.out_dir on a writable disk")
+        return Check(
+            "output", False, f"{probe_dir} is not writable", "choose train.out_dir on a writable disk"
+        )
     free = shutil.disk_usage(probe_dir).free
     need = 0
     try:
@@ -144,13 +190,24 @@ def _output(config: Config) -> Check:
         layer = 4 * t.hidden_size * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
         params = config.model.num_layers * layer + 5 * t.hidden_size * t.hidden_size
         # fp32 weights, Adam moments and (bf16 training) fp32 master weights in the optimizer state
-        need = int(params * (16 if config.train.master_weights else 12) * (config.train.keep_last + 1) + (1 << 30))
+        need = int(
+            params * (16 if config.train.master_weights else 12) * (config.train.keep_last + 1) + (1 << 30)
+        )
     except Exception:
         pass
     if need and free < need:
-        return Check("output", False, f"{free / 2**30:.1f} GiB free at {probe_dir}, checkpoints need about {need / 2**30:.1f} GiB",
-                     "free space, lower train.keep_last, or move train.out_dir")
-    return Check("output", True, f"{probe_dir} writable, {free / 2**30:.0f} GiB free" + (f" (need ~{need / 2**30:.1f})" if need else ""))
+        return Check(
+            "output",
+            False,
+            f"{free / 2**30:.1f} GiB free at {probe_dir}, checkpoints need about {need / 2**30:.1f} GiB",
+            "free space, lower train.keep_last, or move train.out_dir",
+        )
+    return Check(
+        "output",
+        True,
+        f"{probe_dir} writable, {free / 2**30:.0f} GiB free"
+        + (f" (need ~{need / 2**30:.1f})" if need else ""),
+    )
 
 
 def _flex_compiles(config: Config) -> Check:
@@ -169,11 +226,20 @@ def _flex_compiles(config: Config) -> Check:
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        return Check("flex_attention", False, "compiling flex_attention took over 300 s", "check TORCHINDUCTOR_CACHE_DIR and the CUDA toolkit")
+        return Check(
+            "flex_attention",
+            False,
+            "compiling flex_attention took over 300 s",
+            "check TORCHINDUCTOR_CACHE_DIR and the CUDA toolkit",
+        )
     if out.returncode != 0 or "ok" not in out.stdout:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return Check("flex_attention", False, f"flex_attention does not compile and run on this GPU: {last}",
-                     "use train.attention=sdpa, or fix the Triton/CUDA setup")
+        return Check(
+            "flex_attention",
+            False,
+            f"flex_attention does not compile and run on this GPU: {last}",
+            "use train.attention=sdpa, or fix the Triton/CUDA setup",
+        )
     return Check("flex_attention", True, "compiles and runs (forward + backward) in a subprocess")
 
 
@@ -188,15 +254,34 @@ def _port(_: Config) -> Check:
 
 
 def _environment(_: Config) -> Check:
-    keys = ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", *sorted(k for k in os.environ if k.startswith("NCCL_"))]
+    keys = [
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        *sorted(k for k in os.environ if k.startswith("NCCL_")),
+    ]
     shown = [f"{k}={os.environ[k]}" for k in keys if k in os.environ]
     if os.environ.get("CUDA_VISIBLE_DEVICES") and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        return Check("environment", True, "; ".join(shown) + " (tip: CUDA_DEVICE_ORDER=PCI_BUS_ID makes indices match nvidia-smi)")
+        return Check(
+            "environment",
+            True,
+            "; ".join(shown) + " (tip: CUDA_DEVICE_ORDER=PCI_BUS_ID makes indices match nvidia-smi)",
+        )
     return Check("environment", True, "; ".join(shown) or "no CUDA/NCCL variables set")
 
 
 QUICK: list[Callable[[Config], Check]] = [_versions, _target, _drafter, _data, _output]
-FULL: list[Callable[[Config], Check]] = [_versions, _gpus, _target, _drafter, _data, _output, _flex_compiles, _port, _environment]
+FULL: list[Callable[[Config], Check]] = [
+    _versions,
+    _gpus,
+    _target,
+    _drafter,
+    _data,
+    _output,
+    _flex_compiles,
+    _port,
+    _environment,
+]
 
 
 def run_checks(config: Config, quick: bool = False) -> list[Check]:
@@ -205,7 +290,9 @@ def run_checks(config: Config, quick: bool = False) -> list[Check]:
         try:
             results.append(check(config))
         except Exception as exc:  # a broken check is itself a finding, never a crash of the doctor
-            results.append(Check(check.__name__.strip("_"), False, f"check crashed: {type(exc).__name__}: {exc}"))
+            results.append(
+                Check(check.__name__.strip("_"), False, f"check crashed: {type(exc).__name__}: {exc}")
+            )
     return results
 
 
@@ -215,7 +302,9 @@ def print_checks(checks: list[Check]) -> int:
     console = Console()
     for c in checks:
         mark = {True: "[green]✓[/]", False: "[red]✗[/]", None: "[dim]–[/]"}[c.ok]
-        console.print(f"{mark} {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.ok is False and c.fix else ""))
+        console.print(
+            f"{mark} {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.ok is False and c.fix else "")
+        )
     failed = sum(c.ok is False for c in checks)
     console.print(f"{len(checks) - failed} ok, {failed} failed")
     return 1 if failed else 0

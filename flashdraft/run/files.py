@@ -26,7 +26,16 @@ RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
 FAULT_ENV = "FLASHDRAFT_FAULT"
 
 # Phases a trainer reports; states the supervisor and `status` report.
-PHASES = ("starting", "loading", "compiling", "training", "evaluating", "checkpointing", "stopping", "finished")
+PHASES = (
+    "starting",
+    "loading",
+    "compiling",
+    "training",
+    "evaluating",
+    "checkpointing",
+    "stopping",
+    "finished",
+)
 FINAL_STATES = ("finished", "failed", "stopped", "killed")
 
 
@@ -87,12 +96,22 @@ class Heartbeat:
         if self.dir is None:
             return
         self.beat(phase="finished" if outcome == "finished" else self.state.get("phase"), force=True)
-        write_json(self.dir / "final.json", {"outcome": outcome, "time": time.time(), "pid": os.getpid(), **fields})
+        write_json(
+            self.dir / "final.json", {"outcome": outcome, "time": time.time(), "pid": os.getpid(), **fields}
+        )
 
     def error(self, exc: BaseException, traceback_text: str) -> None:
         if self.dir is None:
             return
-        write_json(self.dir / "error.json", {
-            "type": type(exc).__name__, "message": str(exc), "traceback": traceback_text,
-            "time": time.time(), "pid": os.getpid(), "phase": self.state.get("phase"), "step": self.state.get("step"),
-        })
+        write_json(
+            self.dir / "error.json",
+            {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback_text,
+                "time": time.time(),
+                "pid": os.getpid(),
+                "phase": self.state.get("phase"),
+                "step": self.state.get("step"),
+            },
+        )

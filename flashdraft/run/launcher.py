@@ -25,13 +25,21 @@ from flashdraft.run.diagnose import LOG_NAME, classify_message
 from flashdraft.run.files import FINAL_STATES, boot_id, read_json, write_json
 from flashdraft.run.monitor import is_live, list_runs, run_state, runs_root
 
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "TORCHINDUCTOR_CACHE_DIR", "HF_HOME")
+ENV_KEYS = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "HF_HOME",
+)
 UP_PHASES = ("compiling", "training", "evaluating", "checkpointing", "finished")
 
 
 def _git_commit(cwd: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -44,7 +52,11 @@ def _gpus(device: str, env: dict[str, str], nproc: int = 1) -> list[str]:
     visible = env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     index = device.split(":", 1)[1] if device.startswith("cuda:") else "0"
     if nproc > 1:  # rank r uses local GPU r
-        ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(nproc)]
+        ids = (
+            [v.strip() for v in visible.split(",") if v.strip()]
+            if visible
+            else [str(i) for i in range(nproc)]
+        )
         return ids[:nproc]
     if visible:
         ids = [v.strip() for v in visible.split(",") if v.strip()]
@@ -64,8 +76,15 @@ def _fail(run_dir: Path, log, message: str, kind: str | None = None) -> dict[str
     log.write(f"flashdraft: error: {message}\n".encode())
     diagnosis = classify_message(message)
     status = read_json(run_dir / "status.json") or {}
-    status.update({"state": "failed", "ended": time.time(), "diagnosis": diagnosis.line,
-                   "diagnosis_kind": kind or diagnosis.kind, "evidence": [message]})
+    status.update(
+        {
+            "state": "failed",
+            "ended": time.time(),
+            "diagnosis": diagnosis.line,
+            "diagnosis_kind": kind or diagnosis.kind,
+            "evidence": [message],
+        }
+    )
     write_json(run_dir / "status.json", status)
     return run_state(run_dir)
 
@@ -91,25 +110,54 @@ def launch(
     run_dir = root / run_id
     run_dir.mkdir(parents=True)
     log = (run_dir / LOG_NAME).open("ab", buffering=0)  # the launcher owns the log, before anything can fail
-    log.write(f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {config_path or ''} {' '.join(overrides)}\n".encode())
+    log.write(
+        f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {config_path or ''} {' '.join(overrides)}\n".encode()
+    )
     cwd = Path.cwd()
     job_python = python or sys.executable
     train_args = ["-m", "flashdraft", "train", str(run_dir / "config.yaml")]
     if nproc_per_node > 1:  # one process per GPU; torchrun keeps per-rank logs in the run directory
-        job_cmd = [job_python, "-X", "faulthandler", "-u", "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc_per_node}", f"--log-dir={run_dir / 'torchrun'}", "--redirects=3", "--tee=3",
-                   *train_args]
+        job_cmd = [
+            job_python,
+            "-X",
+            "faulthandler",
+            "-u",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--log-dir={run_dir / 'torchrun'}",
+            "--redirects=3",
+            "--tee=3",
+            *train_args,
+        ]
     else:
         job_cmd = [job_python, "-X", "faulthandler", "-u", *train_args]
     launch_record = {
-        "run_id": run_id, "run_dir": str(run_dir), "created": time.time(), "argv": sys.argv, "config": config_path,
-        "overrides": overrides, "cwd": str(cwd), "python": job_python, "host": socket.gethostname(), "boot_id": boot_id(),
-        "git_commit": _git_commit(cwd), "job_cmd": job_cmd, "stall_seconds": stall_seconds, "nproc_per_node": nproc_per_node,
-        "env": {**{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
-                **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")}, **env},
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "created": time.time(),
+        "argv": sys.argv,
+        "config": config_path,
+        "overrides": overrides,
+        "cwd": str(cwd),
+        "python": job_python,
+        "host": socket.gethostname(),
+        "boot_id": boot_id(),
+        "git_commit": _git_commit(cwd),
+        "job_cmd": job_cmd,
+        "stall_seconds": stall_seconds,
+        "nproc_per_node": nproc_per_node,
+        "env": {
+            **{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
+            **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+            **env,
+        },
     }
     write_json(run_dir / "launch.json", launch_record)
-    write_json(run_dir / "status.json", {"state": "starting", "launcher_pid": os.getpid(), "boot_id": boot_id()})
+    write_json(
+        run_dir / "status.json", {"state": "starting", "launcher_pid": os.getpid(), "boot_id": boot_id()}
+    )
 
     try:
         config = load_config(config_path, [*overrides, f"train.out_dir={run_dir}"])
@@ -132,11 +180,23 @@ def launch(
         info = run_state(other)
         shared = set(info.get("gpus") or []) & set(launch_record["gpus"])
         if shared and is_live(info):
-            return _fail(run_dir, log, f"GPU {', '.join(sorted(shared))} is held by live run {other.name} ({info['state']}); "
-                                       f"stop it first (flashdraft stop {other.name})", kind="gpu_busy")
+            return _fail(
+                run_dir,
+                log,
+                f"GPU {', '.join(sorted(shared))} is held by live run {other.name} ({info['state']}); "
+                f"stop it first (flashdraft stop {other.name})",
+                kind="gpu_busy",
+            )
 
-    subprocess.Popen([sys.executable, "-m", "flashdraft.run.supervisor", str(run_dir)], stdin=subprocess.DEVNULL,
-                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True, cwd=cwd)
+    subprocess.Popen(
+        [sys.executable, "-m", "flashdraft.run.supervisor", str(run_dir)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        close_fds=True,
+        cwd=cwd,
+    )
     if not wait:
         return run_state(run_dir)
     deadline = time.time() + wait_timeout
@@ -147,5 +207,7 @@ def launch(
             return info
         time.sleep(0.3)
     info = run_state(run_dir)
-    info["warning"] = f"not up after {wait_timeout:.0f} s (state {info['state']}); follow it with flashdraft logs {run_id} -f"
+    info["warning"] = (
+        f"not up after {wait_timeout:.0f} s (state {info['state']}); follow it with flashdraft logs {run_id} -f"
+    )
     return info

@@ -20,8 +20,16 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.run.diagnose import LOG_NAME, log_tail
 from flashdraft.run.files import FINAL_STATES, RUN_ID_ENV, boot_id, read_json
 
-PHASE_TO_STATE = {"starting": "starting", "loading": "starting", "compiling": "compiling", "training": "training",
-                  "checkpointing": "training", "evaluating": "evaluating", "stopping": "training", "finished": "training"}
+PHASE_TO_STATE = {
+    "starting": "starting",
+    "loading": "starting",
+    "compiling": "compiling",
+    "training": "training",
+    "checkpointing": "training",
+    "evaluating": "evaluating",
+    "stopping": "training",
+    "finished": "training",
+}
 
 
 def runs_root(runs_dir: str | None = None) -> Path:
@@ -87,8 +95,14 @@ def gpu_usage() -> list[dict[str, Any]]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             util = pynvml.nvmlDeviceGetUtilizationRates(handle)
-            gpus.append({"index": i, "util_percent": util.gpu, "memory_used_GiB": round(mem.used / 2**30, 1),
-                         "memory_total_GiB": round(mem.total / 2**30, 1)})
+            gpus.append(
+                {
+                    "index": i,
+                    "util_percent": util.gpu,
+                    "memory_used_GiB": round(mem.used / 2**30, 1),
+                    "memory_total_GiB": round(mem.total / 2**30, 1),
+                }
+            )
     finally:
         pynvml.nvmlShutdown()
     return gpus
@@ -98,18 +112,42 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     """Everything `status` shows about one run, reconciled with the live machine."""
     launch = read_json(run_dir / "launch.json") or {}
     status = read_json(run_dir / "status.json") or {}
-    heartbeats = {int(p.parent.name.removeprefix("rank")): read_json(p) for p in sorted(run_dir.glob("rank*/heartbeat.json"))}
+    heartbeats = {
+        int(p.parent.name.removeprefix("rank")): read_json(p)
+        for p in sorted(run_dir.glob("rank*/heartbeat.json"))
+    }
     heartbeats = {k: v for k, v in heartbeats.items() if v}
     now = time.time()
     info: dict[str, Any] = {
-        "run": run_dir.name, "run_dir": str(run_dir), "created": launch.get("created"), "gpus": launch.get("gpus", []),
-        "exit_code": status.get("exit_code"), "signal": status.get("signal"),
-        "supervisor_pid": status.get("supervisor_pid"), "job_pid": status.get("job_pid"),
-        "ranks": {r: {"phase": hb.get("phase"), "step": hb.get("step"), "heartbeat_age_s": round(now - hb.get("time", now), 1)}
-                  for r, hb in heartbeats.items()},
+        "run": run_dir.name,
+        "run_dir": str(run_dir),
+        "created": launch.get("created"),
+        "gpus": launch.get("gpus", []),
+        "exit_code": status.get("exit_code"),
+        "signal": status.get("signal"),
+        "supervisor_pid": status.get("supervisor_pid"),
+        "job_pid": status.get("job_pid"),
+        "ranks": {
+            r: {
+                "phase": hb.get("phase"),
+                "step": hb.get("step"),
+                "heartbeat_age_s": round(now - hb.get("time", now), 1),
+            }
+            for r, hb in heartbeats.items()
+        },
     }
     hb0 = heartbeats.get(0, {})
-    for key in ("step", "total_steps", "epoch", "loss", "tau", "eval_tau", "tflops", "max_memory_GiB", "checkpoint"):
+    for key in (
+        "step",
+        "total_steps",
+        "epoch",
+        "loss",
+        "tau",
+        "eval_tau",
+        "tflops",
+        "max_memory_GiB",
+        "checkpoint",
+    ):
         if hb0.get(key) is not None:
             info[key] = hb0[key]
     if hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
@@ -126,11 +164,15 @@ def run_state(run_dir: Path) -> dict[str, Any]:
         if not supervisor_alive and not launcher_alive:
             state = "lost"
             why = "the host rebooted" if not same_boot else "its supervisor is gone"
-            diagnosis = (f"lost: {why} without a final status" + (f"; job pid {status.get('job_pid')} still runs" if job_alive else ""))
+            diagnosis = f"lost: {why} without a final status" + (
+                f"; job pid {status.get('job_pid')} still runs" if job_alive else ""
+            )
         elif job_alive and age is not None and age > stall:
             state = "stalled"
-            diagnosis = (f"hung: no heartbeat for {age:.0f} s (limit {stall:.0f} s) while job pid {status['job_pid']} lives, "
-                         f"last phase {hb0.get('phase')} at step {hb0.get('step')}; inspect with py-spy dump --pid {status['job_pid']}")
+            diagnosis = (
+                f"hung: no heartbeat for {age:.0f} s (limit {stall:.0f} s) while job pid {status['job_pid']} lives, "
+                f"last phase {hb0.get('phase')} at step {hb0.get('step')}; inspect with py-spy dump --pid {status['job_pid']}"
+            )
         elif hb0:
             state = PHASE_TO_STATE.get(hb0.get("phase"), "starting")
         else:
@@ -150,8 +192,10 @@ def rank_logs(run_dir: Path, rank: int) -> list[Path]:
     """torchrun's per-rank logs (stdout, stderr) of the latest attempt: <run>/torchrun/<id>/attempt_<n>/<rank>/."""
     found = sorted(run_dir.glob(f"torchrun/*/attempt_*/{rank}"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FlashdraftError(f"run {run_dir.name}: no log for rank {rank} (per-rank logs exist for --nproc-per-node runs; "
-                              f"the combined log is {LOG_NAME})")
+        raise FlashdraftError(
+            f"run {run_dir.name}: no log for rank {rank} (per-rank logs exist for --nproc-per-node runs; "
+            f"the combined log is {LOG_NAME})"
+        )
     return [found[-1] / "stdout.log", found[-1] / "stderr.log"]
 
 

@@ -10,8 +10,18 @@ from rich.table import Table
 
 from flashdraft.run.monitor import find_run, gpu_usage, list_runs, run_state, runs_root
 
-STATE_STYLE = {"training": "green", "compiling": "cyan", "evaluating": "cyan", "starting": "cyan", "finished": "bold green",
-               "stopped": "yellow", "failed": "bold red", "killed": "bold red", "lost": "bold red", "stalled": "bold yellow"}
+STATE_STYLE = {
+    "training": "green",
+    "compiling": "cyan",
+    "evaluating": "cyan",
+    "starting": "cyan",
+    "finished": "bold green",
+    "stopped": "yellow",
+    "failed": "bold red",
+    "killed": "bold red",
+    "lost": "bold red",
+    "stalled": "bold yellow",
+}
 
 
 def _progress(info: dict) -> str:
@@ -39,23 +49,33 @@ def show_status(run: str | None, *, runs_dir: str | None = None, as_json: bool =
     for info in infos:
         ages = [r["heartbeat_age_s"] for r in info["ranks"].values()]
         table.add_row(
-            info["run"], f"[{STATE_STYLE.get(info['state'], '')}]{info['state']}[/]", _progress(info),
+            info["run"],
+            f"[{STATE_STYLE.get(info['state'], '')}]{info['state']}[/]",
+            _progress(info),
             f"{info['loss']:.3f}" if info.get("loss") is not None else "",
             f"{info['tau']:.2f}" if info.get("tau") is not None else "",
-            f"{min(ages):.0f}s ago" if ages and info["state"] not in ("finished", "failed", "stopped", "killed") else "",
+            f"{min(ages):.0f}s ago"
+            if ages and info["state"] not in ("finished", "failed", "stopped", "killed")
+            else "",
             info.get("diagnosis") or "",
         )
     console.print(table)
     if run:
         info = infos[0]
         for rank, r in sorted(info["ranks"].items()):
-            console.print(f"rank {rank}: phase {r['phase']}, step {r['step']}, heartbeat {r['heartbeat_age_s']:.0f}s ago")
+            console.print(
+                f"rank {rank}: phase {r['phase']}, step {r['step']}, heartbeat {r['heartbeat_age_s']:.0f}s ago"
+            )
         if info.get("exit_code") is not None or info.get("signal"):
-            console.print(f"exit: {'signal ' + info['signal'] if info.get('signal') else 'code ' + str(info['exit_code'])}")
+            console.print(
+                f"exit: {'signal ' + info['signal'] if info.get('signal') else 'code ' + str(info['exit_code'])}"
+            )
         for line in info.get("evidence") or []:
             console.print(f"evidence: {line}")
         console.print(f"last log line: {info['last_log_line']}")
     for g in gpus:
-        console.print(f"GPU {g['index']}: {g['util_percent']}% util, {g['memory_used_GiB']}/{g['memory_total_GiB']} GiB")
+        console.print(
+            f"GPU {g['index']}: {g['util_percent']}% util, {g['memory_used_GiB']}/{g['memory_total_GiB']} GiB"
+        )
     console.print(f"[dim]{time.strftime('%H:%M:%S')}[/]")
     return 0

@@ -30,22 +30,47 @@ def supervise(run_dir: Path) -> int:
     launch = read_json(run_dir / "launch.json")
     status = read_json(run_dir / "status.json") or {}
     log = (run_dir / LOG_NAME).open("ab", buffering=0)
-    status.update({"state": "starting", "supervisor_pid": os.getpid(), "boot_id": boot_id(), "started": time.time()})
+    status.update(
+        {"state": "starting", "supervisor_pid": os.getpid(), "boot_id": boot_id(), "started": time.time()}
+    )
     write_json(run_dir / "status.json", status)
 
-    env = {**os.environ, **launch.get("env", {}), RUN_DIR_ENV: str(run_dir), RUN_ID_ENV: launch["run_id"],
-           "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {
+        **os.environ,
+        **launch.get("env", {}),
+        RUN_DIR_ENV: str(run_dir),
+        RUN_ID_ENV: launch["run_id"],
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
     cmd = launch["job_cmd"]
     _log(log, f"starting job: {' '.join(cmd)}")
     try:
-        job = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               cwd=launch.get("cwd"), start_new_session=True, close_fds=True)
+        job = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=launch.get("cwd"),
+            start_new_session=True,
+            close_fds=True,
+        )
     except OSError as exc:
         message = f"cannot start the job: interpreter or program not found: {cmd[0]} ({exc.strerror})"
         _log(log, message)
         diagnosis = classify_message(message)
-        status.update({"state": "failed", "ended": time.time(), "exit_code": None, "signal": None,
-                       "diagnosis": diagnosis.line, "diagnosis_kind": "missing_interpreter", "evidence": [message]})
+        status.update(
+            {
+                "state": "failed",
+                "ended": time.time(),
+                "exit_code": None,
+                "signal": None,
+                "diagnosis": diagnosis.line,
+                "diagnosis_kind": "missing_interpreter",
+                "evidence": [message],
+            }
+        )
         write_json(run_dir / "status.json", status)
         return 1
 
@@ -65,10 +90,21 @@ def supervise(run_dir: Path) -> int:
         state = "stopped" if diagnosis.kind == "stopped" else "finished"
     else:
         state = "killed" if sig else "failed"
-    _log(log, f"job exited: {'signal ' + sig if sig else 'code ' + str(returncode)}; {state}: {diagnosis.line}")
+    _log(
+        log, f"job exited: {'signal ' + sig if sig else 'code ' + str(returncode)}; {state}: {diagnosis.line}"
+    )
     status = read_json(run_dir / "status.json") or status
-    status.update({"state": state, "ended": time.time(), "exit_code": returncode if returncode >= 0 else None,
-                   "signal": sig, "diagnosis": diagnosis.line, "diagnosis_kind": diagnosis.kind, "evidence": diagnosis.evidence})
+    status.update(
+        {
+            "state": state,
+            "ended": time.time(),
+            "exit_code": returncode if returncode >= 0 else None,
+            "signal": sig,
+            "diagnosis": diagnosis.line,
+            "diagnosis_kind": diagnosis.kind,
+            "evidence": diagnosis.evidence,
+        }
+    )
     write_json(run_dir / "status.json", status)
     return 0
 

@@ -98,7 +98,8 @@ def resolve_resume(resume: str, out_dir: str | Path) -> Path | None:
             raise FlashdraftError(
                 f"train.resume=never, but train.out_dir={out_dir} already holds checkpoints of a run "
                 f"({found[0].name} .. {found[-1].name}); continue it with train.resume=auto, or start over in "
-                f"another train.out_dir (or delete {checkpoint_root(out_dir)})")
+                f"another train.out_dir (or delete {checkpoint_root(out_dir)})"
+            )
         return None
     if resume == "auto":
         found = list_checkpoints(out_dir)

@@ -40,8 +40,14 @@ def visible_pairs(blocks: BlockBatch, kind: LayerKind) -> int:
     return int((ctx * b).sum().item() + block_pairs * anchors.numel())
 
 
-def step_flops(config: PretrainedConfig, kinds: list[LayerKind], blocks: BlockBatch, ctx_tokens: int, loss_rows: int,
-               vocab_size: int) -> StepFlops:
+def step_flops(
+    config: PretrainedConfig,
+    kinds: list[LayerKind],
+    blocks: BlockBatch,
+    ctx_tokens: int,
+    loss_rows: int,
+    vocab_size: int,
+) -> StepFlops:
     h = config.hidden_size
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     q_dim, kv_dim = config.num_attention_heads * d, config.num_key_value_heads * d

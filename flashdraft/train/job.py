@@ -21,7 +21,11 @@ from flashdraft.run.files import RUN_DIR_ENV, Heartbeat
 def _install_thread_hook(heartbeat: Heartbeat) -> None:
     def hook(args: threading.ExceptHookArgs) -> None:
         text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
-        print(f"uncaught exception in thread {args.thread.name if args.thread else '?'}:\n{text}", file=sys.stderr, flush=True)
+        print(
+            f"uncaught exception in thread {args.thread.name if args.thread else '?'}:\n{text}",
+            file=sys.stderr,
+            flush=True,
+        )
         heartbeat.error(args.exc_value, text)
         heartbeat.final("failed", reason=f"exception in thread: {args.exc_type.__name__}: {args.exc_value}")
         os._exit(1)

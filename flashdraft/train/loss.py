@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def chunk_loss_and_grad(hidden: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, multiplier: float):
+def chunk_loss_and_grad(
+    hidden: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, multiplier: float
+):
     """Σ w·CE, argmax correctness and d(Σ w·CE)/d hidden for one chunk (compiled on GPU)."""
     logits = F.linear(hidden, weight).float()
     if multiplier != 1.0:
@@ -40,7 +42,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(hidden)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
-            loss_sum, ok, g = chunk_fn(hidden[start:end], weight, labels[start:end], row_weights[start:end], multiplier)
+            loss_sum, ok, g = chunk_fn(
+                hidden[start:end], weight, labels[start:end], row_weights[start:end], multiplier
+            )
             total = total + loss_sum
             correct[start:end] = ok
             grad[start:end] = g
@@ -62,7 +66,9 @@ class WeightedHeadLoss:
         self.multiplier = multiplier
         self.chunk_fn = chunk_fn
 
-    def __call__(self, hidden: Tensor, head_weight: Tensor, labels: Tensor, row_weights: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, hidden: Tensor, head_weight: Tensor, labels: Tensor, row_weights: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """hidden [T, H] rows with non-zero weight; returns (Σ w·CE as fp32 scalar, correct [T] bool)."""
         rows = hidden.shape[0]
         if rows == 0:

@@ -47,8 +47,13 @@ class MetricsLogger:
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                     TextColumn("{task.fields[metrics]}"))
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[metrics]}"),
+            )
             self.task = self.progress.add_task("train", total=total_steps, metrics="")
             self.progress.start()
         self.started = time.time()

@@ -36,8 +36,12 @@ class BlockBatch:
         return self.block_ids.shape[1] // self.anchors.shape[1]
 
     def to(self, device: torch.device) -> BlockBatch:
-        return BlockBatch(*(getattr(self, f).to(device, non_blocking=True) for f in
-                            ("anchors", "keep", "block_ids", "block_positions", "labels", "weights")))
+        return BlockBatch(
+            *(
+                getattr(self, f).to(device, non_blocking=True)
+                for f in ("anchors", "keep", "block_ids", "block_positions", "labels", "weights")
+            )
+        )
 
 
 def sample_anchors(
@@ -102,7 +106,10 @@ def dense_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind]) -> dic
     """One boolean SDPA mask per distinct layer kind (CPU path and tests)."""
     b = blocks.anchors.shape[0]
     ctx_positions = torch.arange(ctx_len, device=blocks.anchors.device).expand(b, -1)
-    return {kind.key: dense_mask(blocks.anchors, blocks.keep, ctx_positions, blocks.block_size, kind) for kind in set(kinds)}
+    return {
+        kind.key: dense_mask(blocks.anchors, blocks.keep, ctx_positions, blocks.block_size, kind)
+        for kind in set(kinds)
+    }
 
 
 def flex_block_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind], create_block_mask) -> dict:

@@ -66,9 +66,19 @@ class ClippedAdamW(torch.optim.AdamW):
         return norm
 
 
-def adamw_update(param: Tensor, grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                 hyper: Tensor, grad_multiplier: Tensor, beta1: float, beta2: float, eps: float,
-                 weight_decay: float) -> None:
+def adamw_update(
+    param: Tensor,
+    grad: Tensor,
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    hyper: Tensor,
+    grad_multiplier: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
     """One AdamW update of a flat fp32 master tensor and its moments; writes the rounded `param` too.
 
     `hyper` = [lr, 1 - beta1^t, sqrt(1 - beta2^t)] and `grad_multiplier` (the clip factor) are device
@@ -91,15 +101,26 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     `update` is `adamw_update` or a compiled version of it (distributed/parallelize.py decides).
     """
 
-    def __init__(self, params: Iterable[Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, update: Callable = adamw_update):
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        update: Callable = adamw_update,
+    ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.update = update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
         for p in _params(self):  # allocated now: an out-of-memory shows at start-up, not at the first step
-            self.state[p].update(master=p.detach().float().clone(), exp_avg=torch.zeros_like(p, dtype=torch.float32),
-                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+            self.state[p].update(
+                master=p.detach().float().clone(),
+                exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                exp_avg_sq=torch.zeros_like(p, dtype=torch.float32),
+            )
 
     def accumulate_gradients(self) -> None:
         """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
@@ -140,35 +161,60 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for group in (g for g in self.param_groups if g["params"]):
             beta1, beta2 = group["betas"]
             first = group["params"][0]
-            values = torch.tensor([group["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32)
+            values = torch.tensor(
+                [group["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32
+            )
             if first.device.type == "cuda":  # pinned + non-blocking: no host-device sync
                 values = values.pin_memory()
             hyper = values.to(first.device, non_blocking=True)
-            multiplier = self._grad_multiplier if self._grad_multiplier is not None else torch.ones((), device=first.device)
+            multiplier = (
+                self._grad_multiplier
+                if self._grad_multiplier is not None
+                else torch.ones((), device=first.device)
+            )
             for p in group["params"]:
                 state = self.state[p]
-                self.update(p.view(-1), grads[i].reshape(-1), *(state[k].view(-1) for k in MASTER_STATE), hyper,
-                            multiplier, beta1, beta2, group["eps"], group["weight_decay"])
+                self.update(
+                    p.view(-1),
+                    grads[i].reshape(-1),
+                    *(state[k].view(-1) for k in MASTER_STATE),
+                    hyper,
+                    multiplier,
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["weight_decay"],
+                )
                 state.pop("grad_sum", None)
                 i += 1
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in _params(self)]}
+        return {
+            "steps": self.steps,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in _params(self)],
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore fp32 masters and moments exactly (torch's default would cast them to the bf16 param dtype)
         and set the parameters from the masters."""
         params = _params(self)
         saved = state_dict.get("state")
-        if saved is None or len(saved) != len(params) or len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError("optimizer state does not match the drafter (another model, or fp32 weights: "
-                             "set train.master_weights as in the run that wrote it)")
+        if (
+            saved is None
+            or len(saved) != len(params)
+            or len(state_dict["param_groups"]) != len(self.param_groups)
+        ):
+            raise ValueError(
+                "optimizer state does not match the drafter (another model, or fp32 weights: "
+                "set train.master_weights as in the run that wrote it)"
+            )
         for p, entry in zip(params, saved, strict=True):
             for k in MASTER_STATE:
                 if entry[k].shape != p.shape:
-                    raise ValueError(f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}"
+                    )
                 self.state[p][k].copy_(entry[k])
             with torch.no_grad():
                 p.copy_(self.state[p]["master"])

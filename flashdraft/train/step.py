@@ -61,9 +61,19 @@ class Objective:
     def blocks(self, batch: TokenBatch) -> BlockBatch:
         """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
         spec = self.drafter.spec
-        anchors, keep = sample_anchors(batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds)
-        return build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep,
-                            spec.block_size, spec.mask_token_id, self.gamma)
+        anchors, keep = sample_anchors(
+            batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds
+        )
+        return build_blocks(
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            anchors,
+            keep,
+            spec.block_size,
+            spec.mask_token_id,
+            self.gamma,
+        )
 
     def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
         kinds = self.drafter.layer_kinds()
@@ -71,7 +81,9 @@ class Objective:
             return flex_block_masks(blocks, ctx_len, kinds, self.create_block_mask)
         return dense_masks(blocks, ctx_len, kinds)
 
-    def __call__(self, batch: TokenBatch, blocks: BlockBatch | None = None, features: Tensor | None = None) -> StepOutput:
+    def __call__(
+        self, batch: TokenBatch, blocks: BlockBatch | None = None, features: Tensor | None = None
+    ) -> StepOutput:
         """`features` may come precomputed (timed separately, or produced by a target on another GPU)."""
         blocks = self.blocks(batch) if blocks is None else blocks
         b, s = batch.input_ids.shape
@@ -80,13 +92,18 @@ class Objective:
         noise = self.target.embed(blocks.block_ids)
         ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
         masks = self.masks(blocks, s)
-        with torch.autocast(noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
             hidden = self.drafter(noise, features, ctx_positions, blocks.block_positions, masks)
         flat_weights = blocks.weights.flatten()
         rows = flat_weights.nonzero().flatten()
         head = self.target.lm_head_weight
         loss_sum, correct_rows = self.loss(
-            hidden.flatten(0, 1).index_select(0, rows).to(head.dtype), head, blocks.labels.flatten()[rows], flat_weights[rows]
+            hidden.flatten(0, 1).index_select(0, rows).to(head.dtype),
+            head,
+            blocks.labels.flatten()[rows],
+            flat_weights[rows],
         )
         correct = torch.zeros_like(flat_weights, dtype=torch.bool).index_copy_(0, rows, correct_rows)
         return StepOutput(

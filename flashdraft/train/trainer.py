@@ -79,7 +79,8 @@ def _fault_hook(step: int, rank: int = 0) -> None:
             time.sleep(1)
     if what == "oom":
         raise torch.cuda.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). GPU 0 has a total capacity of 139.80 GiB")
+            f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). GPU 0 has a total capacity of 139.80 GiB"
+        )
 
 
 def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
@@ -99,10 +100,19 @@ def _reduce_window(window: dict[str, Any], device: torch.device, topo, block_siz
         return window
     if window["stats"] is None:  # this rank had no samples in the window
         zeros = torch.zeros(block_size - 1, dtype=torch.float64)
-        window["stats"] = {"correct_at": zeros, "supervised_at": zeros.clone(), "accepted_sum": torch.zeros((), dtype=torch.float64),
-                           "blocks": torch.zeros((), dtype=torch.float64)}
+        window["stats"] = {
+            "correct_at": zeros,
+            "supervised_at": zeros.clone(),
+            "accepted_sum": torch.zeros((), dtype=torch.float64),
+            "blocks": torch.zeros((), dtype=torch.float64),
+        }
     keys = sorted(window["stats"])
-    flat = [window["loss_sum"], float(window["blocks"]), window["flops"], *[float(v) for k in keys for v in window["stats"][k].flatten()]]
+    flat = [
+        window["loss_sum"],
+        float(window["blocks"]),
+        window["flops"],
+        *[float(v) for k in keys for v in window["stats"][k].flatten()],
+    ]
     flat = all_reduce_sum(flat, device, topo)
     stats, i = {}, 3
     for k in keys:
@@ -119,15 +129,22 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
         check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
         return load_drafter(m.drafter, target=target_config)
     mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
-    drafter_config = make_drafter_config(target_config, num_layers=m.num_layers, block_size=m.block_size,
-                                         mask_token_id=mask, target_layer_ids=m.target_layer_ids)
+    drafter_config = make_drafter_config(
+        target_config,
+        num_layers=m.num_layers,
+        block_size=m.block_size,
+        mask_token_id=mask,
+        target_layer_ids=m.target_layer_ids,
+    )
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(torch.Generator().manual_seed(config.train.seed))
     return drafter
 
 
 @torch.no_grad()
-def evaluate(objective: Objective, data: TokenDataset, batch_size: int, seed: int, pad_multiple: int, device) -> dict[str, float]:
+def evaluate(
+    objective: Objective, data: TokenDataset, batch_size: int, seed: int, pad_multiple: int, device
+) -> dict[str, float]:
     """Teacher-forced simulated acceptance on held-out data (fixed anchors: comparable across steps)."""
     objective.drafter.eval()
     loss_sum, weight_sum, stats = 0.0, 0.0, None
@@ -149,7 +166,9 @@ class _StopRequest:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, _frame) -> None:
-        print(f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True)
+        print(
+            f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True
+        )
         self.requested = True
 
 
@@ -159,12 +178,18 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     stop = _StopRequest()
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
-    topo, device = init_topology(t.device)  # one process per GPU under torchrun; plain single process otherwise
+    topo, device = init_topology(
+        t.device
+    )  # one process per GPU under torchrun; plain single process otherwise
     torch.manual_seed(t.seed)
     out_dir = Path(t.out_dir)
     if not config.model.target:
-        raise FlashdraftError("model.target: no target model directory given (set model.target=/path/to/model)")
-    resume_from = resolve_resume(t.resume, out_dir)  # before any work or write: a bad resume setting fails fast
+        raise FlashdraftError(
+            "model.target: no target model directory given (set model.target=/path/to/model)"
+        )
+    resume_from = resolve_resume(
+        t.resume, out_dir
+    )  # before any work or write: a bad resume setting fails fast
     out_dir.mkdir(parents=True, exist_ok=True)
     if topo.is_main:
         (out_dir / "config.yaml").write_text(dump_yaml(config))
@@ -178,28 +203,51 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     gamma = t.gamma or default_gamma(spec.block_size)
 
     # ------------------------------------------------------------------ data
-    data_kwargs = {"max_length": config.data.max_length, "block_size": spec.block_size, "vocab_size": target.vocab_size,
-                   "fingerprint": target_tokenizer_fingerprint(config.model.target), "target": config.model.target}
+    data_kwargs = {
+        "max_length": config.data.max_length,
+        "block_size": spec.block_size,
+        "vocab_size": target.vocab_size,
+        "fingerprint": target_tokenizer_fingerprint(config.model.target),
+        "target": config.model.target,
+    }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)  # the global batch; rank r takes r::world
+    sampler = EpochSampler(
+        len(train_data), t.batch_size * topo.world_size, t.seed
+    )  # the global batch; rank r takes r::world
 
     # ------------------------------------------------------------------ placement and compile (one place)
     loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
-    placement = parallelize(drafter, loss_fn, device=device, attention=t.attention, compile=t.compile,
-                            activation_checkpointing=t.activation_checkpointing, dtype=t.dtype,
-                            master_weights=t.master_weights)
-    objective = Objective(drafter, target, num_anchors=t.num_anchors, gamma=gamma, loss=loss_fn,
-                          attention=placement.attention, create_block_mask=placement.create_block_mask,
-                          autocast_dtype=placement.autocast_dtype)
+    placement = parallelize(
+        drafter,
+        loss_fn,
+        device=device,
+        attention=t.attention,
+        compile=t.compile,
+        activation_checkpointing=t.activation_checkpointing,
+        dtype=t.dtype,
+        master_weights=t.master_weights,
+    )
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=t.num_anchors,
+        gamma=gamma,
+        loss=loss_fn,
+        attention=placement.attention,
+        create_block_mask=placement.create_block_mask,
+        autocast_dtype=placement.autocast_dtype,
+    )
 
     # ------------------------------------------------------------------ optimizer and schedule
     steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
     total_steps = t.max_steps or t.epochs * steps_per_epoch
-    optimizer = make_optimizer(list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay,
-                               update=placement.optimizer_update)
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, update=placement.optimizer_update
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio))
+        optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio)
+    )
 
     # ------------------------------------------------------------------ resume
     step, best_tau = 0, -math.inf
@@ -210,8 +258,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as exc:
-            raise FlashdraftError(f"train.resume: the optimizer state in {resume_from} does not fit this run "
-                                  f"(train.master_weights, train.dtype or the drafter changed?): {exc}") from None
+            raise FlashdraftError(
+                f"train.resume: the optimizer state in {resume_from} does not fit this run "
+                f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
+            ) from None
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -220,20 +270,30 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             print(f"resumed from {resume_from} at step {step}", flush=True)
 
     def trainer_state() -> dict[str, Any]:
-        return {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "sampler": sampler.state_dict(), "best_tau": best_tau, "total_steps": total_steps}
+        return {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(),
+            "best_tau": best_tau,
+            "total_steps": total_steps,
+        }
 
     # ------------------------------------------------------------------ loop
     logger = MetricsLogger(out_dir, total_steps) if topo.is_main else None
     peak = peak_tflops(device)
     if topo.is_main:
-        print(f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
-              f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
-              f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps",
-              flush=True)
+        print(
+            f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
+            f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
+            f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps",
+            flush=True,
+        )
     window = _new_window()
     drafter.train()
-    heartbeat.beat("compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps)
+    heartbeat.beat(
+        "compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps
+    )
     outcome = "finished"
     while step < total_steps:
         started = time.perf_counter()
@@ -246,8 +306,14 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
                 blocks = objective.blocks(batch)
                 window["blocks"] += int(blocks.keep.sum())
-                window["flops"] += step_flops(drafter.config, drafter.layer_kinds(), blocks, int(batch.lengths.sum()),
-                                              int((blocks.weights > 0).sum()), target.vocab_size).total
+                window["flops"] += step_flops(
+                    drafter.config,
+                    drafter.layer_kinds(),
+                    blocks,
+                    int(batch.lengths.sum()),
+                    int((blocks.weights > 0).sum()),
+                    target.vocab_size,
+                ).total
                 micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum())))
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w in micro)], device, topo)
@@ -257,7 +323,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             if i < len(micro) - 1:
                 optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
             window["loss_sum"] = window["loss_sum"] + out.loss_sum.detach()
-            window["stats"] = out.stats if window["stats"] is None else {k: window["stats"][k] + v for k, v in out.stats.items()}
+            window["stats"] = (
+                out.stats
+                if window["stats"] is None
+                else {k: window["stats"][k] + v for k, v in out.stats.items()}
+            )
         window["weight"] += total_weight
         sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
         grad_norm = optimizer.clip_and_step(t.grad_clip)
@@ -268,23 +338,40 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         window["time"] += time.perf_counter() - started
 
-        heartbeat.beat("training", step=step, epoch=sampler.epoch, step_seconds=round(time.perf_counter() - started, 4),
-                       max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None)
+        heartbeat.beat(
+            "training",
+            step=step,
+            epoch=sampler.epoch,
+            step_seconds=round(time.perf_counter() - started, 4),
+            max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None,
+        )
         if step % t.log_every == 0 or step == total_steps:
             seconds = max(window["time"], 1e-9)
             window["loss_sum"] = float(window["loss_sum"])
             window = _reduce_window(window, device, topo, spec.block_size)
-            metrics = {"loss": window["loss_sum"] / max(window["weight"], 1e-9), **summarize_acceptance(window["stats"]),
-                       "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm), "epoch": sampler.epoch,
-                       "block_tok_s": window["blocks"] * spec.block_size / seconds,
-                       "tflops": window["flops"] / seconds / 1e12}
+            metrics = {
+                "loss": window["loss_sum"] / max(window["weight"], 1e-9),
+                **summarize_acceptance(window["stats"]),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "epoch": sampler.epoch,
+                "block_tok_s": window["blocks"] * spec.block_size / seconds,
+                "tflops": window["flops"] / seconds / 1e12,
+            }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
             if logger is not None:
                 logger.log(step, metrics)
             heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
             window = _new_window()
-        if topo.is_main and eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps):
+        if (
+            topo.is_main
+            and eval_data is not None
+            and t.eval_every
+            and (step % t.eval_every == 0 or step == total_steps)
+        ):
             heartbeat.beat("evaluating")
             result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             logger.log(step, result, kind="eval")

@@ -7,8 +7,26 @@ from transformers import PreTrainedTokenizerFast
 
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-WORDS = ["user", "assistant", "system", "\n", "\n\n", " ", "hi", "there", "be", "brief", "ok", "sure", "why", "because",
-         "2+2", "4", "thanks", "[UNK]"]
+WORDS = [
+    "user",
+    "assistant",
+    "system",
+    "\n",
+    "\n\n",
+    " ",
+    "hi",
+    "there",
+    "be",
+    "brief",
+    "ok",
+    "sure",
+    "why",
+    "because",
+    "2+2",
+    "4",
+    "thanks",
+    "[UNK]",
+]
 
 # Qwen3-like: the last assistant turn of a rendering gets an (empty) think block when thinking is off,
 # earlier ones do not: the template rewrites history, as Qwen3's own does.
@@ -46,6 +64,8 @@ def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", **kwargs)
         fast.chat_template = QWEN_TEMPLATE
     else:
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", **kwargs)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", **kwargs
+        )
         fast.chat_template = LLAMA_GENERATION_TEMPLATE if style == "llama-generation" else LLAMA_TEMPLATE
     return fast

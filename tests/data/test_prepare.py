@@ -26,10 +26,21 @@ from flashdraft.train.trainer import train
 from .helpers import make_tokenizer
 
 CONVS = [
-    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-                  {"role": "assistant", "content": "hi there"}]},
-    {"conversations": [{"from": "human", "value": "2+2"}, {"from": "gpt", "value": "4"},
-                       {"from": "human", "value": "why"}, {"from": "gpt", "value": "because"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hi there"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "2+2"},
+            {"from": "gpt", "value": "4"},
+            {"from": "human", "value": "why"},
+            {"from": "gpt", "value": "because"},
+        ]
+    },
     {"prompt": "why", "response": "because 2+2 4"},
     {"messages": [{"role": "user", "content": "thanks"}]},  # no assistant turn
 ]
@@ -38,8 +49,14 @@ CONVS = [
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     """A tiny Qwen3 target whose tokenizer is the Qwen-style word tokenizer (vocab fits the embedding)."""
-    return save_tiny_target(tmp_path_factory.mktemp("t") / "target", "qwen3", vocab_size=64, hidden_size=32,
-                            num_layers=4, tokenizer=make_tokenizer("qwen"))
+    return save_tiny_target(
+        tmp_path_factory.mktemp("t") / "target",
+        "qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=4,
+        tokenizer=make_tokenizer("qwen"),
+    )
 
 
 def _write(path: Path, records) -> Path:
@@ -61,48 +78,122 @@ def test_prepare_writes_shards_manifest_and_trains(tmp_path, target, capsys):
     assert "samples kept" in printed and "supervised fraction" in printed
 
     run = tmp_path / "run"
-    train(load_config(None, [f"model.target={target}", "model.mask_token_id=60", "model.num_layers=1", "model.block_size=2",
-                             f"data.train=[{out}]", f"train.out_dir={run}", "train.max_steps=2", "train.num_anchors=4",
-                             "train.device=cpu", "train.resume=never"]))
+    train(
+        load_config(
+            None,
+            [
+                f"model.target={target}",
+                "model.mask_token_id=60",
+                "model.num_layers=1",
+                "model.block_size=2",
+                f"data.train=[{out}]",
+                f"train.out_dir={run}",
+                "train.max_steps=2",
+                "train.num_anchors=4",
+                "train.device=cpu",
+                "train.resume=never",
+            ],
+        )
+    )
     assert (run / "checkpoints" / "step-00000002").is_dir()
 
 
 def test_shards_from_another_tokenizer_are_refused(tmp_path, target):
     data = _write(tmp_path / "in.jsonl", CONVS)
-    other = save_tiny_target(tmp_path / "other", "qwen3", vocab_size=64, hidden_size=32, num_layers=4,
-                             tokenizer=make_tokenizer("llama"))
+    other = save_tiny_target(
+        tmp_path / "other",
+        "qwen3",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=4,
+        tokenizer=make_tokenizer("llama"),
+    )
     out = tmp_path / "shards"
     assert main(["prepare", str(data), "--target", str(other), "--out", str(out)]) == 0
     with pytest.raises(FlashdraftError, match="made with another tokenizer"):
-        train(load_config(None, [f"model.target={target}", "model.mask_token_id=60", f"data.train=[{out}]",
-                                 f"train.out_dir={tmp_path / 'run'}", "train.device=cpu"]))
+        train(
+            load_config(
+                None,
+                [
+                    f"model.target={target}",
+                    "model.mask_token_id=60",
+                    f"data.train=[{out}]",
+                    f"train.out_dir={tmp_path / 'run'}",
+                    "train.device=cpu",
+                ],
+            )
+        )
 
 
 def test_over_long_samples_are_dropped_with_the_reason(tmp_path, target, capsys):
     data = _write(tmp_path / "in.jsonl", CONVS[:3])
-    assert main(["prepare", str(data), "--target", str(target), "--out", str(tmp_path / "s"), "--max-length", "23"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(data),
+                "--target",
+                str(target),
+                "--out",
+                str(tmp_path / "s"),
+                "--max-length",
+                "23",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["dropped"] == {"longer than 23 tokens": 1} and manifest["samples"] == 2
     assert "longer than 23 tokens" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad,needle", [
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "in.jsonl line 2: invalid JSON"),
-    ('{"messages": []}\n', "in.jsonl line 1: empty conversation"),
-    ('{"messages": [{"role": "wizard", "content": "hi"}]}\n', "in.jsonl line 1: message 0 has unknown role 'wizard'"),
-])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        (
+            '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n',
+            "in.jsonl line 2: invalid JSON",
+        ),
+        ('{"messages": []}\n', "in.jsonl line 1: empty conversation"),
+        (
+            '{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+            "in.jsonl line 1: message 0 has unknown role 'wizard'",
+        ),
+    ],
+)
 def test_bad_input_is_named_and_nothing_is_written(tmp_path, target, capsys, bad, needle):
     (tmp_path / "in.jsonl").write_text(bad)
-    assert main(["prepare", str(tmp_path / "in.jsonl"), "--target", str(target), "--out", str(tmp_path / "s")]) == 2
+    assert (
+        main(["prepare", str(tmp_path / "in.jsonl"), "--target", str(target), "--out", str(tmp_path / "s")])
+        == 2
+    )
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "s" / "manifest.json").exists() and not list(tmp_path.glob("s/shard-*"))
 
 
 def test_skip_bad_records_reports_each_and_keeps_the_other_lines(tmp_path, target, capsys):
-    lines = [json.dumps(CONVS[0]), '{"messages": [', json.dumps(CONVS[2]), '{"messages": [{"role": "wizard", "content": "x"}]}']
+    lines = [
+        json.dumps(CONVS[0]),
+        '{"messages": [',
+        json.dumps(CONVS[2]),
+        '{"messages": [{"role": "wizard", "content": "x"}]}',
+    ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "s"
-    assert main(["prepare", str(tmp_path / "in.jsonl"), "--target", str(target), "--out", str(out), "--skip-bad-records"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "in.jsonl"),
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--skip-bad-records",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == 2 and manifest["dropped"] == {"bad record": 2}
     assert manifest["bad_records"][0].endswith("in.jsonl line 2: invalid JSON (Expecting value)")
@@ -155,12 +246,41 @@ def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server
     url, handler = server
     data = _write(tmp_path / "in.jsonl", CONVS)
     out = tmp_path / "s"
-    assert main(["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate", "--server-url", url,
-                 "--thinking", "off", "--temperature", "0.7", "--concurrency", "4"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(data),
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--regenerate",
+                "--server-url",
+                url,
+                "--thinking",
+                "off",
+                "--temperature",
+                "0.7",
+                "--concurrency",
+                "4",
+            ]
+        )
+        == 0
+    )
     done = read_journal(out / "regenerated.jsonl")
-    assert [m["content"] for m in done[1] if m["role"] == "assistant"] == ["ok", "sure"]  # turn 2 sees regenerated turn 1
-    assert done[3][-1] == {"role": "assistant", "content": "ok"}  # prompt-only conversations get an answer too
-    assert all(b["chat_template_kwargs"] == {"enable_thinking": False} and b["temperature"] == 0.7 for b in handler.seen)
+    assert [m["content"] for m in done[1] if m["role"] == "assistant"] == [
+        "ok",
+        "sure",
+    ]  # turn 2 sees regenerated turn 1
+    assert done[3][-1] == {
+        "role": "assistant",
+        "content": "ok",
+    }  # prompt-only conversations get an answer too
+    assert all(
+        b["chat_template_kwargs"] == {"enable_thinking": False} and b["temperature"] == 0.7
+        for b in handler.seen
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["regeneration"]["engine"] == "server" and manifest["regeneration"]["temperature"] == 0.7
     assert manifest["samples"] >= 4
@@ -171,8 +291,24 @@ def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path,
     handler.delay = 0.15
     data = _write(tmp_path / "in.jsonl", [CONVS[0]] * 24)
     out = tmp_path / "s"
-    cmd = [sys.executable, "-m", "flashdraft", "prepare", str(data), "--target", str(target), "--out", str(out),
-           "--regenerate", "--server-url", url, "--chunk", "4", "--concurrency", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashdraft",
+        "prepare",
+        str(data),
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--regenerate",
+        "--server-url",
+        url,
+        "--chunk",
+        "4",
+        "--concurrency",
+        "2",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     journal = out / "regenerated.jsonl"
     deadline = time.time() + 60
@@ -197,13 +333,33 @@ def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, targ
 
     data = _write(tmp_path / "in.jsonl", [CONVS[0]])
     out = tmp_path / "s"
-    assert main(["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate", "--max-new-tokens", "6"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(data),
+                "--target",
+                str(target),
+                "--out",
+                str(out),
+                "--regenerate",
+                "--max-new-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     answer = read_journal(out / "regenerated.jsonl")[0][-1]["content"]
     tok = make_tokenizer("qwen")
     model = AutoModelForCausalLM.from_pretrained(target)
     prompt = tok.apply_chat_template(CONVS[0]["messages"][:2], add_generation_prompt=True, tokenize=True)
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
     # an explicit mask: the prompt contains the eos id, which generate() would otherwise take for padding
-    expected = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
-    assert answer == tok.decode(expected[0, len(prompt):], skip_special_tokens=True)
+    expected = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=tok.eos_token_id,
+    )
+    assert answer == tok.decode(expected[0, len(prompt) :], skip_special_tokens=True)

@@ -46,13 +46,24 @@ def test_compiled_flex_equals_sdpa_loss_and_grads(qwen3_target, sliding):
     results = []
     for model, attention in ((drafter, "sdpa"), (flex_drafter, "flex")):
         loss_fn = WeightedHeadLoss(chunk=64)
-        placement = parallelize(model, loss_fn, device=CUDA, attention=attention, compile=attention == "flex", dtype="fp32")
-        objective = Objective(model, target, num_anchors=12, gamma=3.0, loss=loss_fn, attention=placement.attention,
-                              create_block_mask=placement.create_block_mask)
+        placement = parallelize(
+            model, loss_fn, device=CUDA, attention=attention, compile=attention == "flex", dtype="fp32"
+        )
+        objective = Objective(
+            model,
+            target,
+            num_anchors=12,
+            gamma=3.0,
+            loss=loss_fn,
+            attention=placement.attention,
+            create_block_mask=placement.create_block_mask,
+        )
         batch = token_batch([200, 130], prompt_lengths=[10, 20], seq_len=256).to(CUDA)
         out = objective(batch)
         (out.loss_sum / out.weight_sum).backward()
-        results.append((float(out.loss_sum.detach() / out.weight_sum), {n: p.grad for n, p in model.named_parameters()}))
+        results.append(
+            (float(out.loss_sum.detach() / out.weight_sum), {n: p.grad for n, p in model.named_parameters()})
+        )
     assert abs(results[0][0] - results[1][0]) < 1e-4
     for name, g in results[0][1].items():
         assert torch.allclose(g, results[1][1][name], atol=1e-4, rtol=1e-3), name
@@ -62,23 +73,47 @@ def test_eager_flex_attention_is_an_error(qwen3_target):
     drafter, target = _pair_on_gpu(qwen3_target)
     drafter.to(CUDA)
     batch = token_batch([64], prompt_lengths=[4]).to(CUDA)
-    blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, torch.tensor([[10, 30]], device=CUDA),
-                          torch.tensor([[True, True]], device=CUDA), 4, MASK_ID, 3.0)
+    blocks = build_blocks(
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        torch.tensor([[10, 30]], device=CUDA),
+        torch.tensor([[True, True]], device=CUDA),
+        4,
+        MASK_ID,
+        3.0,
+    )
     from torch.nn.attention.flex_attention import create_block_mask
 
     masks = flex_block_masks(blocks, 64, drafter.layer_kinds(), create_block_mask)
     with pytest.raises(FlashdraftError, match=r"outside torch\.compile"):
-        drafter(target.embed(blocks.block_ids), target.features(batch.input_ids), torch.arange(64, device=CUDA)[None],
-                blocks.block_positions, masks)
+        drafter(
+            target.embed(blocks.block_ids),
+            target.features(batch.input_ids),
+            torch.arange(64, device=CUDA)[None],
+            blocks.block_positions,
+            masks,
+        )
 
 
 def test_recompile_storm_is_an_error_not_a_fallback(qwen3_target):
     drafter, target = _pair_on_gpu(qwen3_target)
     loss_fn = WeightedHeadLoss(chunk=64)
     placement = parallelize(drafter, loss_fn, device=CUDA, attention="flex", compile=True)
-    objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=loss_fn, attention="flex",
-                          create_block_mask=placement.create_block_mask, autocast_dtype=torch.bfloat16)
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.raises(Exception, match=r"(?i)recompile"):
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=4,
+        gamma=3.0,
+        loss=loss_fn,
+        attention="flex",
+        create_block_mask=placement.create_block_mask,
+        autocast_dtype=torch.bfloat16,
+    )
+    with (
+        torch._dynamo.config.patch(automatic_dynamic_shapes=False),
+        pytest.raises(Exception, match=r"(?i)recompile"),
+    ):
         for length in range(40, 40 + 30 * 8, 8):  # 30 distinct static shapes > the limit (8 x 2 layers)
             objective(token_batch([length], prompt_lengths=[4]).to(CUDA))
 
@@ -91,12 +126,33 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
     with data.open("w") as f:
         for i in range(16):
             n = 100 + 37 * i  # many lengths: buckets must not cause a recompile storm
-            f.write(json.dumps({"input_ids": [(i * 5 + j) % 290 for j in range(n)], "loss_mask": [0] * 8 + [1] * (n - 8)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"input_ids": [(i * 5 + j) % 290 for j in range(n)], "loss_mask": [0] * 8 + [1] * (n - 8)}
+                )
+                + "\n"
+            )
     out = tmp_path / "run"
-    train(load_config(None, [f"model.target={qwen3_target}", "model.mask_token_id=300", "model.num_layers=2",
-                             "model.block_size=4", f"data.train=[{data}]", f"data.eval=[{data}]", f"train.out_dir={out}",
-                             "train.max_steps=12", "train.log_every=4", "train.eval_every=6", "train.num_anchors=32",
-                             "train.batch_size=2", "train.resume=never"]))
+    train(
+        load_config(
+            None,
+            [
+                f"model.target={qwen3_target}",
+                "model.mask_token_id=300",
+                "model.num_layers=2",
+                "model.block_size=4",
+                f"data.train=[{data}]",
+                f"data.eval=[{data}]",
+                f"train.out_dir={out}",
+                "train.max_steps=12",
+                "train.log_every=4",
+                "train.eval_every=6",
+                "train.num_anchors=32",
+                "train.batch_size=2",
+                "train.resume=never",
+            ],
+        )
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["kind"] == "eval" and rows[0]["loss"] == rows[0]["loss"]  # finite, not NaN
     assert any("mfu" in r for r in rows)
@@ -111,17 +167,41 @@ def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, mas
 
     data = tmp_path / "d.jsonl"
     with data.open("w") as f:
-        for i in range(12):  # period-3 sequences, as tests/train/test_trainer.py: learnable in a few dozen steps
+        for i in range(
+            12
+        ):  # period-3 sequences, as tests/train/test_trainer.py: learnable in a few dozen steps
             n, p = 30 + 3 * i, 4 + i % 5
             cycle = [(11 * i) % 290, (11 * i + 97) % 290, (11 * i + 181) % 290]
-            f.write(json.dumps({"input_ids": [cycle[j % 3] for j in range(n)], "loss_mask": [0] * p + [1] * (n - p)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"input_ids": [cycle[j % 3] for j in range(n)], "loss_mask": [0] * p + [1] * (n - p)}
+                )
+                + "\n"
+            )
     final = {}
     for device in ("cuda", "cpu"):
         out = tmp_path / device
-        train(load_config(None, [f"model.target={qwen3_target}", "model.mask_token_id=300", "model.num_layers=2",
-                                 "model.block_size=4", f"data.train=[{data}]", f"train.out_dir={out}", "train.max_steps=40",
-                                 "train.log_every=1", "train.num_anchors=6", "train.batch_size=2", "train.lr=5e-3",
-                                 "train.resume=never", f"train.device={device}", f"train.master_weights={str(master_weights).lower()}"]))
+        train(
+            load_config(
+                None,
+                [
+                    f"model.target={qwen3_target}",
+                    "model.mask_token_id=300",
+                    "model.num_layers=2",
+                    "model.block_size=4",
+                    f"data.train=[{data}]",
+                    f"train.out_dir={out}",
+                    "train.max_steps=40",
+                    "train.log_every=1",
+                    "train.num_anchors=6",
+                    "train.batch_size=2",
+                    "train.lr=5e-3",
+                    "train.resume=never",
+                    f"train.device={device}",
+                    f"train.master_weights={str(master_weights).lower()}",
+                ],
+            )
+        )
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         losses = {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
         first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5

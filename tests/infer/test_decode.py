@@ -18,7 +18,10 @@ from .conftest import MASK
 
 def _prompts(n: int, seed: int = 5) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, MASK, (1, int(torch.randint(6, 20, (1,), generator=g))), generator=g) for _ in range(n)]
+    return [
+        torch.randint(0, MASK, (1, int(torch.randint(6, 20, (1,), generator=g))), generator=g)
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,9 @@ def test_greedy_speculative_equals_plain_greedy(pair):
     target, drafter = pair
     taus = []
     for prompt in _prompts(4):
-        hf = target.model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+        hf = target.model.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[
+            0, prompt.shape[1] :
+        ].tolist()
         plain = generate(target, None, prompt, 40)
         spec = generate(target, drafter, prompt, 40)
         one = generate(target, drafter, prompt, 40, block_size=1)
@@ -45,8 +50,10 @@ def test_decoding_never_uses_cudnn_attention(pair):
     """cuDNN SDPA builds a plan per new key length (37-141 ms on the H200); decoding meets one every step."""
     target, drafter = pair
     seen = []
-    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-             for m in (target.model, drafter)]
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+        for m in (target.model, drafter)
+    ]
     try:
         generate(target, drafter, _prompts(1)[0], 12)
     finally:
@@ -74,15 +81,20 @@ def test_tau_and_text_equal_zlab_loop(pair, trained, monkeypatch):
     zdrafter = zmodel_mod.DFlashDraftModel.from_pretrained(trained["drafter"], dtype=torch.float32).eval()
     for prompt in _prompts(3, seed=9):
         ours = generate(target, drafter, prompt, 32)
-        theirs = zmodel_mod.dflash_generate(zdrafter, target.model, prompt, 32, None, temperature=0.0, return_stats=True)
-        assert theirs.output_ids[0, prompt.shape[1]:].tolist() == ours.tokens
+        theirs = zmodel_mod.dflash_generate(
+            zdrafter, target.model, prompt, 32, None, temperature=0.0, return_stats=True
+        )
+        assert theirs.output_ids[0, prompt.shape[1] :].tolist() == ours.tokens
         assert theirs.acceptance_lengths == ours.accepted
 
 
 def test_rejection_rule_reproduces_the_target_distribution():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]])
-    for q in (torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1]]), torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]])):  # sampled / argmax
+    for q in (
+        torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1]]),
+        torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0]]),
+    ):  # sampled / argmax
         counts = collections.Counter()
         for _ in range(20000):
             draft = torch.multinomial(q[0], 1, generator=g)
@@ -100,11 +112,15 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
     from flashdraft.model.checkpoint import make_drafter_config
     from flashdraft.model.drafter import DFlashDraftModel
 
-    target_dir = save_tiny_target(tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3)
+    target_dir = save_tiny_target(
+        tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3
+    )
     target = TargetModel.load(target_dir, [1, 2])
     with torch.no_grad():  # sharpen the random target so the distribution has structure
         target.lm_head_weight.mul_(6.0)
-    config = make_drafter_config(target.config, num_layers=1, block_size=4, mask_token_id=23, target_layer_ids=[1, 2])
+    config = make_drafter_config(
+        target.config, num_layers=1, block_size=4, mask_token_id=23, target_layer_ids=[1, 2]
+    )
     drafter = DFlashDraftModel(config)
     drafter.init_weights(torch.Generator().manual_seed(0))
     drafter.fc.weight.data.mul_(20)  # a confident (and mostly wrong) drafter: rejections happen often
@@ -142,17 +158,53 @@ def test_eval_command_reports_tau_speedup_and_plot(trained, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": p[0].tolist()}) for p in _prompts(3)) + "\n")
     out, png = tmp_path / "report.json", tmp_path / "report.png"
-    assert main(["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"]), "--prompts", str(prompts),
-                 "--max-new-tokens", "24", "--check-lossless", "--out", str(out), "--plot", str(png)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--target",
+                str(trained["target"]),
+                "--drafter",
+                str(trained["drafter"]),
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "24",
+                "--check-lossless",
+                "--out",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["prompts"] == 3 and 1.0 <= report["tau"] <= 6 and report["speedup"] > 0
-    assert len(report["acceptance_by_position"]) == 5 and sum(report["accepted_length_histogram"].values()) > 0
+    assert (
+        len(report["acceptance_by_position"]) == 5 and sum(report["accepted_length_histogram"].values()) > 0
+    )
     assert report["lossless"] == {"identical": 3, "diverged": []}
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "speedup" in capsys.readouterr().out
     # sampling with a lossless check is refused clearly
-    assert main(["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"]), "--prompts", str(prompts),
-                 "--temperature", "0.7", "--check-lossless"]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "--target",
+                str(trained["target"]),
+                "--drafter",
+                str(trained["drafter"]),
+                "--prompts",
+                str(prompts),
+                "--temperature",
+                "0.7",
+                "--check-lossless",
+            ]
+        )
+        == 2
+    )
 
 
 def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
@@ -162,9 +214,31 @@ def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
     from flashdraft.bench.eval_bench import main as bench_eval
 
     out = tmp_path / "r.json"
-    assert bench_eval(["--tiny", "--work", str(tmp_path / "w"), "--samples", "48", "--steps", "20", "--prompts", "2",
-                       "--max-new-tokens", "24", "--out", str(out)]) == 0
+    assert (
+        bench_eval(
+            [
+                "--tiny",
+                "--work",
+                str(tmp_path / "w"),
+                "--samples",
+                "48",
+                "--steps",
+                "20",
+                "--prompts",
+                "2",
+                "--max-new-tokens",
+                "24",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["lossless"]["diverged"] == [] and report["tau"] >= 1.0 and report["speedup"] > 0
     assert report["timings"]["train_s"] > 0 and report["training_steps"] == 20
-    assert report["command"].startswith("flashdraft bench eval --tiny --work ") and report["date"] and report["device"].startswith("cpu")
+    assert (
+        report["command"].startswith("flashdraft bench eval --tiny --work ")
+        and report["date"]
+        and report["device"].startswith("cpu")
+    )

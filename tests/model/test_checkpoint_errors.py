@@ -18,8 +18,24 @@ from flashdraft.model.target import load_target_config
 @pytest.fixture()
 def drafter_dir(tmp_path, qwen3_target) -> Path:
     out = tmp_path / "d"
-    assert main(["init", "--target", qwen3_target, "--out", str(out), "--num-layers", "2", "--block-size", "4",
-                 "--mask-token-id", "300"]) == 0
+    assert (
+        main(
+            [
+                "init",
+                "--target",
+                qwen3_target,
+                "--out",
+                str(out),
+                "--num-layers",
+                "2",
+                "--block-size",
+                "4",
+                "--mask-token-id",
+                "300",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -88,7 +104,7 @@ def test_missing_and_unexpected_tensors(drafter_dir):
 def test_wrong_architecture_and_bad_json(drafter_dir):
     _edit(drafter_dir, architectures=["LlamaForCausalLM"])
     assert "architectures" in _error(drafter_dir)
-    (drafter_dir / "config.json").write_text("{\n  \"hidden_size\": 64,\n")
+    (drafter_dir / "config.json").write_text('{\n  "hidden_size": 64,\n')
     assert "line" in _error(drafter_dir) and "config.json" in _error(drafter_dir)
 
 
@@ -111,10 +127,26 @@ def test_init_errors_are_one_line(tmp_path, qwen3_target, capsys):
     assert main(["init", "--target", qwen3_target, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--mask-token-id" in err
-    assert main(["init", "--target", qwen3_target, "--out", str(tmp_path / "x"), "--mask-token-id", "999"]) == 2
+    assert (
+        main(["init", "--target", qwen3_target, "--out", str(tmp_path / "x"), "--mask-token-id", "999"]) == 2
+    )
     assert "outside the target vocabulary" in capsys.readouterr().err
-    assert main(["init", "--target", qwen3_target, "--out", str(tmp_path / "x"), "--mask-token-id", "1",
-                 "--target-layer-ids", "1,7"]) == 2
+    assert (
+        main(
+            [
+                "init",
+                "--target",
+                qwen3_target,
+                "--out",
+                str(tmp_path / "x"),
+                "--mask-token-id",
+                "1",
+                "--target-layer-ids",
+                "1,7",
+            ]
+        )
+        == 2
+    )
     assert "target_layer_ids" in capsys.readouterr().err
     assert main(["init", "--target", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err
@@ -129,13 +161,20 @@ def test_init_defaults_follow_the_paper(tmp_path):
     from flashdraft.bench.tiny import save_tiny_target
 
     vocab = {f"t{i}": i for i in range(290)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), unk_token="t0")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), unk_token="t0"
+    )
     target = save_tiny_target(tmp_path / "t36", "qwen3", num_layers=36, hidden_size=32, tokenizer=tok)
     assert main(["init", "--target", str(target), "--out", str(tmp_path / "d")]) == 0
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     assert config["dflash_config"] == {"mask_token_id": 290, "target_layer_ids": [1, 9, 17, 25, 33]}
-    assert config["architectures"] == ["DFlashDraftModel"] and config["auto_map"]["AutoModel"] == "dflash.DFlashDraftModel"
-    assert config["block_size"] == 16 and config["num_target_layers"] == 36 and config["num_hidden_layers"] == 5
+    assert (
+        config["architectures"] == ["DFlashDraftModel"]
+        and config["auto_map"]["AutoModel"] == "dflash.DFlashDraftModel"
+    )
+    assert (
+        config["block_size"] == 16 and config["num_target_layers"] == 36 and config["num_hidden_layers"] == 5
+    )
     assert config["model_type"] == "qwen3" and config["dtype"] == "bfloat16"
     names = set(load_file(tmp_path / "d" / "model.safetensors"))
     assert len(names) == 5 * 11 + 3 and {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names

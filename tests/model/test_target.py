@@ -22,7 +22,10 @@ def test_features_equal_hf_hidden_states_including_last_layer(target_dirs):
 def test_forward_stops_after_last_needed_layer(qwen3_target):
     target = TargetModel.load(qwen3_target, [1, 2])
     ran = []
-    handles = [layer.register_forward_hook(lambda m, i, o, n=n: ran.append(n)) for n, layer in enumerate(target.layers)]
+    handles = [
+        layer.register_forward_hook(lambda m, i, o, n=n: ran.append(n))
+        for n, layer in enumerate(target.layers)
+    ]
     calls = []
     head = target.model.get_output_embeddings().register_forward_hook(lambda *a: calls.append(1))
     target.features(torch.randint(0, 300, (1, 7)))

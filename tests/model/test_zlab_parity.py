@@ -49,13 +49,33 @@ def _our_logits(model, target: TargetModel, features, noise, block_size):
         ("qwen3", []),
         ("llama", []),
         ("qwen3_5", []),
-        ("qwen3", ["--sliding-window", "4", "--num-layers", "3"]),  # window shorter than the context: it matters
+        (
+            "qwen3",
+            ["--sliding-window", "4", "--num-layers", "3"],
+        ),  # window shorter than the context: it matters
     ],
 )
 def test_init_directory_loads_in_zlab_with_equal_logits(tmp_path, target_dirs, kind, extra):
     out = tmp_path / "drafter"
-    assert main(["init", "--target", target_dirs[kind], "--out", str(out), "--num-layers", "2",
-                 "--block-size", "4", "--mask-token-id", "300", *extra]) == 0
+    assert (
+        main(
+            [
+                "init",
+                "--target",
+                target_dirs[kind],
+                "--out",
+                str(out),
+                "--num-layers",
+                "2",
+                "--block-size",
+                "4",
+                "--mask-token-id",
+                "300",
+                *extra,
+            ]
+        )
+        == 0
+    )
     ours = load_drafter(out, dtype=torch.float32)
     theirs = zlab.DFlashDraftModel.from_pretrained(out, dtype=torch.float32).eval()
     assert list(theirs.target_layer_ids) == list(ours.spec.target_layer_ids)
@@ -83,8 +103,16 @@ def test_zlab_features_match_ours(target_dirs):
 def test_zlab_written_directory_loads_in_flashdraft(tmp_path, qwen3_target):
     from transformers import Qwen3Config
 
-    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=320, rope_theta=1e6)
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=320,
+        rope_theta=1e6,
+    )
     config.architectures = ["DFlashDraftModel"]
     config.block_size = 4
     config.num_target_layers = 6

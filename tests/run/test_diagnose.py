@@ -25,16 +25,33 @@ def _run_dir(tmp_path, log: str):
     return run
 
 
-@pytest.mark.parametrize("log,kind,needle", [
-    ("step 10\n[rank0]:[E ProcessGroupNCCL.cpp:616] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
-     "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n", "nccl_timeout", "NCCL timeout"),
-    ("flashdraft: error: flex_attention was called outside torch.compile (it would fall back to dense attention)\n",
-     "dense_flex_fallback", "dense flex_attention fallback refused"),
-    ("torch._dynamo.exc.FailOnRecompileLimitHit: recompile_limit reached with fullgraph=True\n", "recompile_storm", "recompile storm"),
-    ("Traceback (most recent call last):\n  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n",
-     "out_of_memory", "out of memory"),
-    ("Fatal Python error: Segmentation fault\n", "fatal", "interpreter crashed"),
-])
+@pytest.mark.parametrize(
+    "log,kind,needle",
+    [
+        (
+            "step 10\n[rank0]:[E ProcessGroupNCCL.cpp:616] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, "
+            "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n",
+            "nccl_timeout",
+            "NCCL timeout",
+        ),
+        (
+            "flashdraft: error: flex_attention was called outside torch.compile (it would fall back to dense attention)\n",
+            "dense_flex_fallback",
+            "dense flex_attention fallback refused",
+        ),
+        (
+            "torch._dynamo.exc.FailOnRecompileLimitHit: recompile_limit reached with fullgraph=True\n",
+            "recompile_storm",
+            "recompile storm",
+        ),
+        (
+            'Traceback (most recent call last):\n  File "x.py", line 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n',
+            "out_of_memory",
+            "out of memory",
+        ),
+        ("Fatal Python error: Segmentation fault\n", "fatal", "interpreter crashed"),
+    ],
+)
 def test_log_evidence_is_named(tmp_path, log, kind, needle):
     diagnosis = diagnose_exit(_run_dir(tmp_path, log), 1, None)
     assert diagnosis.kind == kind and needle in diagnosis.line and diagnosis.evidence
@@ -43,8 +60,13 @@ def test_log_evidence_is_named(tmp_path, log, kind, needle):
 def test_first_rank_to_fail_is_the_root_cause(tmp_path):
     run = _run_dir(tmp_path, "")
     for rank, (t, message) in enumerate([(20.0, "follow-on failure"), (10.0, "the root cause")]):
-        write_json(run / f"rank{rank}" / "error.json", {"type": "ValueError", "message": message, "time": t, "traceback": ""})
-    assert "rank 1" in diagnose_exit(run, 1, None).line and "the root cause" in diagnose_exit(run, 1, None).line
+        write_json(
+            run / f"rank{rank}" / "error.json",
+            {"type": "ValueError", "message": message, "time": t, "traceback": ""},
+        )
+    assert (
+        "rank 1" in diagnose_exit(run, 1, None).line and "the root cause" in diagnose_exit(run, 1, None).line
+    )
 
 
 def test_run_without_final_status_and_dead_supervisor_is_lost(tmp_path):
@@ -63,22 +85,41 @@ def test_launch_refuses_gpus_held_by_a_live_run(tmp_path, qwen3_target):
     holder = runs / "holder"
     holder.mkdir(parents=True)
     write_json(holder / "launch.json", {"run_id": "holder", "created": time.time(), "gpus": ["0"]})
-    keeper = subprocess.Popen(["bash", "-c", "sleep 60; true", str(holder)])  # a live "supervisor" for that run
+    keeper = subprocess.Popen(
+        ["bash", "-c", "sleep 60; true", str(holder)]
+    )  # a live "supervisor" for that run
     try:
         write_json(holder / "status.json", {"state": "running", "supervisor_pid": keeper.pid})
         Heartbeat(holder).beat("training", force=True, step=1)
         data = tmp_path / "d.jsonl"
         data.write_text(json.dumps({"input_ids": list(range(40)), "loss_mask": [1] * 40}) + "\n")
-        info = launch(None, [f"model.target={qwen3_target}", "model.mask_token_id=300", f"data.train=[{data}]",
-                             "train.device=cuda:0"], runs_dir=str(runs), wait=False)
+        info = launch(
+            None,
+            [
+                f"model.target={qwen3_target}",
+                "model.mask_token_id=300",
+                f"data.train=[{data}]",
+                "train.device=cuda:0",
+            ],
+            runs_dir=str(runs),
+            wait=False,
+        )
         assert info["state"] == "failed" and "GPU 0 is held by live run holder" in info["diagnosis"]
     finally:
         keeper.kill()
 
 
 def test_doctor_reports_each_check_with_a_fix(tmp_path, qwen3_target, capsys):
-    config = load_config(None, [f"model.target={qwen3_target}", "model.mask_token_id=300", "data.train=[/nope.jsonl]",
-                                f"train.out_dir={tmp_path}", "model.target_layer_ids=[1,40]"])
+    config = load_config(
+        None,
+        [
+            f"model.target={qwen3_target}",
+            "model.mask_token_id=300",
+            "data.train=[/nope.jsonl]",
+            f"train.out_dir={tmp_path}",
+            "model.target_layer_ids=[1,40]",
+        ],
+    )
     checks = {c.name: c for c in run_checks(config)}
     assert checks["target"].ok and checks["packages"].ok and checks["output"].ok
     assert checks["data"].ok is False and "/nope.jsonl" in checks["data"].detail

@@ -20,28 +20,67 @@ def _losses(out) -> dict[int, tuple[float, float]]:
 
 
 def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):  # noqa: F811
-    common = [f"{k}={v}" for k, v in {"train.max_steps": 5, "train.log_every": 1, "train.device": "cpu",
-                                      "train.resume": "never"}.items()]
+    common = [
+        f"{k}={v}"
+        for k, v in {
+            "train.max_steps": 5,
+            "train.log_every": 1,
+            "train.device": "cpu",
+            "train.resume": "never",
+        }.items()
+    ]
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "-m", "flashdraft", "train", str(setup["config"]), *common, "train.batch_size=4",
-                    f"train.out_dir={single}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashdraft",
+            "train",
+            str(setup["config"]),
+            *common,
+            "train.batch_size=4",
+            f"train.out_dir={single}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     double = tmp_path / "double"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-                           "flashdraft", "train", str(setup["config"]), *common, "train.batch_size=2",
-                           f"train.out_dir={double}"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "flashdraft",
+            "train",
+            str(setup["config"]),
+            *common,
+            "train.batch_size=2",
+            f"train.out_dir={double}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _losses(single), _losses(double)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5]
     for step in a:
-        assert a[step][0] == pytest.approx(b[step][0], abs=1e-5) and a[step][1] == pytest.approx(b[step][1], rel=1e-4)
+        assert a[step][0] == pytest.approx(b[step][0], abs=1e-5) and a[step][1] == pytest.approx(
+            b[step][1], rel=1e-4
+        )
 
 
 def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):  # noqa: F811
     info = launch(setup, "--nproc-per-node", "2", "--env", "FLASHDRAFT_FAULT=raise@3:1")
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "failed" and "Python exception on rank 1, step 3" in info["diagnosis"]
-    out = subprocess.run([*FLASHDRAFT.split(), "logs", info["run"], "--rank", "1", "--runs-dir", str(setup["root"] / "runs")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [*FLASHDRAFT.split(), "logs", info["run"], "--rank", "1", "--runs-dir", str(setup["root"] / "runs")],
+        capture_output=True,
+        text=True,
+    )
     assert "injected failure at step 3" in out.stdout
 
 
@@ -55,8 +94,12 @@ def test_stop_of_a_two_process_run_checkpoints_and_ends_cleanly(setup):  # noqa:
 
     info = launch(setup, "--nproc-per-node", "2", "train.max_steps=100000", "train.save_every=100000")
     info = wait_for(setup, info["run"], lambda s: (s.get("step") or 0) >= 2)
-    out = subprocess.run([*FLASHDRAFT.split(), "stop", info["run"], "--runs-dir", str(setup["root"] / "runs")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*FLASHDRAFT.split(), "stop", info["run"], "--runs-dir", str(setup["root"] / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "stopped" in out.stdout, out.stdout + out.stderr
     info = status(setup, info["run"])
     assert info["state"] == "stopped" and info["exit_code"] == 0

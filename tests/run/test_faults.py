@@ -29,7 +29,12 @@ def setup(tmp_path_factory, qwen3_target) -> dict:
     with data.open("w") as f:
         for i in range(16):
             n = 40 + i
-            f.write(json.dumps({"input_ids": [(i + 3 * j) % 290 for j in range(n)], "loss_mask": [0] * 4 + [1] * (n - 4)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"input_ids": [(i + 3 * j) % 290 for j in range(n)], "loss_mask": [0] * 4 + [1] * (n - 4)}
+                )
+                + "\n"
+            )
     config = root / "cfg.yaml"
     config.write_text(
         f"model:\n  target: {qwen3_target}\n  mask_token_id: 300\n  num_layers: 1\n  block_size: 4\n"
@@ -44,14 +49,24 @@ def launch(setup, *args: str, env: dict | None = None) -> dict:
     runs = setup["root"] / "runs"
     quoted = " ".join(f"'{a}'" for a in args)
     cmd = f"{FLASHDRAFT} launch '{setup['config']}' {quoted} --runs-dir '{runs}' --json; exit 0"
-    out = subprocess.run(["/bin/bash", "-c", cmd], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=180)
-    info = json.loads(out.stdout[out.stdout.index("{"):])
+    out = subprocess.run(
+        ["/bin/bash", "-c", cmd],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=180,
+    )
+    info = json.loads(out.stdout[out.stdout.index("{") :])
     return info
 
 
 def status(setup, run: str) -> dict:
-    out = subprocess.run([*FLASHDRAFT.split(), "status", run, "--runs-dir", str(setup["root"] / "runs"), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*FLASHDRAFT.split(), "status", run, "--runs-dir", str(setup["root"] / "runs"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return json.loads(out.stdout)
 
 
@@ -90,7 +105,11 @@ def test_typo_in_config_key(setup):
 
 def test_missing_target_path(setup):
     info = launch(setup, "model.target=/nonexistent/model")
-    assert info["state"] == "failed" and info["diagnosis"].startswith("missing path") and "/nonexistent/model" in info["diagnosis"]
+    assert (
+        info["state"] == "failed"
+        and info["diagnosis"].startswith("missing path")
+        and "/nonexistent/model" in info["diagnosis"]
+    )
     assert "/nonexistent/model" in assert_clean(info)
 
 
@@ -100,14 +119,21 @@ def test_syntax_error_in_an_imported_module(setup, tmp_path):
     (broken / "__init__.py").write_text("def broken(:\n    pass\n")
     info = launch(setup, "--env", f"PYTHONPATH={broken.parent}")
     info = wait_for(setup, info["run"], final)
-    assert info["state"] == "failed" and info["diagnosis"].startswith("import error") and "SyntaxError" in info["diagnosis"]
+    assert (
+        info["state"] == "failed"
+        and info["diagnosis"].startswith("import error")
+        and "SyntaxError" in info["diagnosis"]
+    )
     assert "SyntaxError" in assert_clean(info)
 
 
 def test_exception_at_step_3(setup):
     info = wait_for(setup, launch(setup, "--env", "FLASHDRAFT_FAULT=raise@3")["run"], final)
     assert info["state"] == "failed" and info["exit_code"] == 1
-    assert "Python exception on rank 0, step 3" in info["diagnosis"] and "RuntimeError: injected failure at step 3" in info["diagnosis"]
+    assert (
+        "Python exception on rank 0, step 3" in info["diagnosis"]
+        and "RuntimeError: injected failure at step 3" in info["diagnosis"]
+    )
     assert "trainer.py" in info["diagnosis"]  # the root-cause frame
     assert "Traceback" in assert_clean(info)
 
@@ -124,7 +150,9 @@ def test_sigkill_of_the_job(setup):
     info = wait_for(setup, info["run"], lambda s: (s.get("step") or 0) >= 2)
     os.kill(info["job_pid"], signal.SIGKILL)
     info = wait_for(setup, info["run"], final)
-    assert info["state"] == "killed" and info["signal"] == "SIGKILL" and "killed by SIGKILL" in info["diagnosis"]
+    assert (
+        info["state"] == "killed" and info["signal"] == "SIGKILL" and "killed by SIGKILL" in info["diagnosis"]
+    )
     assert "signal SIGKILL" in assert_clean(info)
 
 
@@ -141,9 +169,25 @@ def test_sigterm_stops_with_a_checkpoint(setup):
 def test_hung_job_is_reported_and_force_stopped(setup):
     info = launch(setup, "--env", "FLASHDRAFT_FAULT=hang@2", "--stall-seconds", "3", "train.max_steps=100000")
     info = wait_for(setup, info["run"], lambda s: s["state"] == "stalled", timeout=60)
-    assert info["diagnosis"].startswith("hung: no heartbeat") and f"py-spy dump --pid {info['job_pid']}" in info["diagnosis"]
-    out = subprocess.run([*FLASHDRAFT.split(), "stop", info["run"], "--force", "--timeout", "2", "--runs-dir",
-                          str(setup["root"] / "runs")], capture_output=True, text=True, timeout=60)
+    assert (
+        info["diagnosis"].startswith("hung: no heartbeat")
+        and f"py-spy dump --pid {info['job_pid']}" in info["diagnosis"]
+    )
+    out = subprocess.run(
+        [
+            *FLASHDRAFT.split(),
+            "stop",
+            info["run"],
+            "--force",
+            "--timeout",
+            "2",
+            "--runs-dir",
+            str(setup["root"] / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "killed" in out.stdout
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "killed" and info["signal"] == "SIGKILL"
@@ -152,7 +196,11 @@ def test_hung_job_is_reported_and_force_stopped(setup):
 
 def test_disk_full_while_checkpointing(setup):
     info = wait_for(setup, launch(setup, "--env", "FLASHDRAFT_FAULT=diskfull@8")["run"], final)
-    assert info["state"] == "failed" and info["diagnosis"].startswith("disk full") and "step 8" in info["diagnosis"]
+    assert (
+        info["state"] == "failed"
+        and info["diagnosis"].startswith("disk full")
+        and "step 8" in info["diagnosis"]
+    )
     ckpts = Path(info["run_dir"]) / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004"]  # nothing half-written
     assert "No space left on device" in assert_clean(info)
@@ -160,7 +208,10 @@ def test_disk_full_while_checkpointing(setup):
 
 def test_missing_interpreter(setup):
     info = wait_for(setup, launch(setup, "--python", "/nonexistent/bin/python3")["run"], final)
-    assert info["state"] == "failed" and "interpreter or program not found: /nonexistent/bin/python3" in info["diagnosis"]
+    assert (
+        info["state"] == "failed"
+        and "interpreter or program not found: /nonexistent/bin/python3" in info["diagnosis"]
+    )
     assert "/nonexistent/bin/python3" in assert_clean(info)
 
 
@@ -174,8 +225,11 @@ def test_launch_works_with_no_python_on_path(setup):
 def test_launcher_killed_by_sighup_leaves_the_run_going(setup):
     runs = setup["root"] / "runs"
     before = set(runs.iterdir()) if runs.exists() else set()
-    launcher = subprocess.Popen([*FLASHDRAFT.split(), "launch", str(setup["config"]), "train.max_steps=60",
-                                 "--runs-dir", str(runs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = subprocess.Popen(
+        [*FLASHDRAFT.split(), "launch", str(setup["config"]), "train.max_steps=60", "--runs-dir", str(runs)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 60
     while time.time() < deadline:
         new = [p for p in runs.iterdir() if p not in before] if runs.exists() else []
@@ -192,15 +246,25 @@ def test_launcher_killed_by_sighup_leaves_the_run_going(setup):
 def test_healthy_run_shows_progress_and_stop_leaves_a_resumable_checkpoint(setup):
     info = launch(setup, "train.max_steps=100000", "train.save_every=100000")
     info = wait_for(setup, info["run"], lambda s: (s.get("step") or 0) >= 3 and s.get("loss") is not None)
-    assert info["state"] == "training" and info["ranks"]["0"]["heartbeat_age_s"] < 10 and info["total_steps"] == 100000
-    out = subprocess.run([*FLASHDRAFT.split(), "stop", info["run"], "--runs-dir", str(setup["root"] / "runs")],
-                         capture_output=True, text=True, timeout=120)
+    assert (
+        info["state"] == "training"
+        and info["ranks"]["0"]["heartbeat_age_s"] < 10
+        and info["total_steps"] == 100000
+    )
+    out = subprocess.run(
+        [*FLASHDRAFT.split(), "stop", info["run"], "--runs-dir", str(setup["root"] / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "stopped" in out.stdout
     info = status(setup, info["run"])
     ckpt = sorted((Path(info["run_dir"]) / "checkpoints").glob("step-*"))[-1]
     stopped_at = int(ckpt.name.split("-")[1])
     assert stopped_at >= 3
-    resumed = wait_for(setup, launch(setup, f"train.resume={ckpt}", f"train.max_steps={stopped_at + 2}")["run"], final)
+    resumed = wait_for(
+        setup, launch(setup, f"train.resume={ckpt}", f"train.max_steps={stopped_at + 2}")["run"], final
+    )
     assert resumed["state"] == "finished" and resumed["step"] == stopped_at + 2
     assert f"resumed from {ckpt} at step {stopped_at}" in assert_clean(resumed)
     assert_clean(info)

@@ -12,11 +12,25 @@ from flashdraft.model.target import TargetModel
 MASK_ID = 300
 
 
-def tiny_pair(target_dir: str, *, num_layers: int = 2, block_size: int = 4, layer_types=None, sliding_window=None,
-              seed: int = 0) -> tuple[DFlashDraftModel, TargetModel]:
+def tiny_pair(
+    target_dir: str,
+    *,
+    num_layers: int = 2,
+    block_size: int = 4,
+    layer_types=None,
+    sliding_window=None,
+    seed: int = 0,
+) -> tuple[DFlashDraftModel, TargetModel]:
     target = TargetModel.load(target_dir, [1, 4])
-    config = make_drafter_config(target.config, num_layers=num_layers, block_size=block_size, mask_token_id=MASK_ID,
-                                 target_layer_ids=[1, 4], layer_types=layer_types, sliding_window=sliding_window)
+    config = make_drafter_config(
+        target.config,
+        num_layers=num_layers,
+        block_size=block_size,
+        mask_token_id=MASK_ID,
+        target_layer_ids=[1, 4],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
     drafter = DFlashDraftModel(config)
     drafter.init_weights(torch.Generator().manual_seed(seed))
     with torch.no_grad():  # non-trivial norm weights so that every parameter matters to the checks
@@ -26,7 +40,9 @@ def tiny_pair(target_dir: str, *, num_layers: int = 2, block_size: int = 4, laye
     return drafter, target
 
 
-def token_batch(lengths: list[int], prompt_lengths: list[int], seq_len: int | None = None, seed: int = 0) -> TokenBatch:
+def token_batch(
+    lengths: list[int], prompt_lengths: list[int], seq_len: int | None = None, seed: int = 0
+) -> TokenBatch:
     g = torch.Generator().manual_seed(seed)
     s = seq_len or max(lengths)
     ids = torch.zeros(len(lengths), s, dtype=torch.long)

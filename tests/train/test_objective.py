@@ -56,7 +56,9 @@ def reference_loss(drafter, target, batch, anchors_per_row, block_size):
 
 
 def batched_loss(drafter, target, batch, num_anchors, blocks=None):
-    objective = Objective(drafter, target, num_anchors=num_anchors, gamma=GAMMA, loss=WeightedHeadLoss(chunk=7))
+    objective = Objective(
+        drafter, target, num_anchors=num_anchors, gamma=GAMMA, loss=WeightedHeadLoss(chunk=7)
+    )
     out = objective(batch, blocks)
     return out.loss_sum / out.weight_sum, out
 
@@ -89,22 +91,46 @@ def test_batched_objective_equals_per_block_reference(qwen3_target, sliding):
 def test_labels_are_same_position_not_shifted():
     ids = torch.arange(100, 120)[None]
     mask = torch.ones_like(ids)
-    blocks = build_blocks(ids, mask, torch.tensor([20]), torch.tensor([[3, 10]]), torch.tensor([[True, True]]),
-                          4, MASK_ID, GAMMA)
+    blocks = build_blocks(
+        ids,
+        mask,
+        torch.tensor([20]),
+        torch.tensor([[3, 10]]),
+        torch.tensor([[True, True]]),
+        4,
+        MASK_ID,
+        GAMMA,
+    )
     assert blocks.block_ids.tolist() == [[103, MASK_ID, MASK_ID, MASK_ID, 110, MASK_ID, MASK_ID, MASK_ID]]
     assert blocks.block_positions.tolist() == [[3, 4, 5, 6, 10, 11, 12, 13]]
     # position k predicts input_ids[anchor + k]; position 0 (the anchor itself) carries no loss
     assert blocks.labels.tolist() == [[0, 104, 105, 106, 0, 111, 112, 113]]
     w = blocks.weights[0].tolist()
-    assert w[0] == 0 and w[1] == 1 and abs(w[2] - math.exp(-1 / GAMMA)) < 1e-7 and abs(w[3] - math.exp(-2 / GAMMA)) < 1e-7
+    assert (
+        w[0] == 0
+        and w[1] == 1
+        and abs(w[2] - math.exp(-1 / GAMMA)) < 1e-7
+        and abs(w[3] - math.exp(-2 / GAMMA)) < 1e-7
+    )
 
 
 def test_labels_respect_loss_mask_and_sequence_end():
     ids = torch.arange(100, 110)[None]
     mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 1]])
-    blocks = build_blocks(ids, mask, torch.tensor([9]), torch.tensor([[3, 7]]), torch.tensor([[True, True]]), 4, MASK_ID, GAMMA)
+    blocks = build_blocks(
+        ids, mask, torch.tensor([9]), torch.tensor([[3, 7]]), torch.tensor([[True, True]]), 4, MASK_ID, GAMMA
+    )
     supervised = (blocks.weights[0] > 0).tolist()
-    assert supervised == [False, True, False, False, False, True, False, False]  # 5,6 unsupervised; 9,10 past the end
+    assert supervised == [
+        False,
+        True,
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]  # 5,6 unsupervised; 9,10 past the end
 
 
 def test_context_is_strictly_before_the_anchor(qwen3_target):
@@ -112,11 +138,21 @@ def test_context_is_strictly_before_the_anchor(qwen3_target):
     drafter, target = tiny_pair(qwen3_target)
     batch = token_batch([20], prompt_lengths=[2])
     anchor = 9
-    blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, torch.tensor([[anchor]]),
-                          torch.tensor([[True]]), 4, MASK_ID, GAMMA)
+    blocks = build_blocks(
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        torch.tensor([[anchor]]),
+        torch.tensor([[True]]),
+        4,
+        MASK_ID,
+        GAMMA,
+    )
     feats = target.features(batch.input_ids).requires_grad_(True)
     masks = dense_masks(blocks, 20, drafter.layer_kinds())
-    hidden = drafter(target.embed(blocks.block_ids), feats, torch.arange(20)[None], blocks.block_positions, masks)
+    hidden = drafter(
+        target.embed(blocks.block_ids), feats, torch.arange(20)[None], blocks.block_positions, masks
+    )
     hidden.square().sum().backward()
     seen = feats.grad[0].abs().sum(-1)
     assert torch.all(seen[:anchor] > 0) and torch.all(seen[anchor:] == 0)
@@ -130,10 +166,22 @@ def test_blocks_do_not_see_each_other(qwen3_target):
     for second_anchor_token in (5, 6):
         ids = batch.input_ids.clone()
         ids[0, 14] = second_anchor_token
-        blocks = build_blocks(ids, batch.loss_mask, batch.lengths, torch.tensor([[6, 14]]),
-                              torch.tensor([[True, True]]), 4, MASK_ID, GAMMA)
+        blocks = build_blocks(
+            ids,
+            batch.loss_mask,
+            batch.lengths,
+            torch.tensor([[6, 14]]),
+            torch.tensor([[True, True]]),
+            4,
+            MASK_ID,
+            GAMMA,
+        )
         masks = dense_masks(blocks, 24, drafter.layer_kinds())
-        outs.append(drafter(target.embed(blocks.block_ids), feats, torch.arange(24)[None], blocks.block_positions, masks))
+        outs.append(
+            drafter(
+                target.embed(blocks.block_ids), feats, torch.arange(24)[None], blocks.block_positions, masks
+            )
+        )
     assert torch.equal(outs[0][:, :4], outs[1][:, :4])  # block 0 unchanged
     assert not torch.equal(outs[0][:, 4:], outs[1][:, 4:])  # block 1 did change
 
@@ -145,8 +193,16 @@ def test_padding_blocks_contribute_nothing(qwen3_target):
     results = []
     for extra in (0, 5):  # the same real anchors, with 0 or 5 padding blocks appended per row
         pad = torch.zeros(2, extra, dtype=torch.long)
-        blocks = build_blocks(batch.input_ids, batch.loss_mask, batch.lengths, torch.cat([anchors[0], pad], 1),
-                              torch.cat([anchors[1], pad.bool()], 1), 4, MASK_ID, GAMMA)
+        blocks = build_blocks(
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            torch.cat([anchors[0], pad], 1),
+            torch.cat([anchors[1], pad.bool()], 1),
+            4,
+            MASK_ID,
+            GAMMA,
+        )
         drafter.zero_grad()
         loss, _ = batched_loss(drafter, target, batch, 3 + extra, blocks)
         loss.backward()
@@ -168,7 +224,9 @@ def test_anchor_sampling_is_supervised_distinct_seeded_and_fresh_per_seed():
     assert k1[1].sum() == 5  # positions 4..8 only: a block must fit inside the 12 tokens
 
 
-@pytest.mark.parametrize("kind", [LayerKind(), LayerKind(causal=True, window=6), LayerKind(causal=False, window=3)])
+@pytest.mark.parametrize(
+    "kind", [LayerKind(), LayerKind(causal=True, window=6), LayerKind(causal=False, window=3)]
+)
 def test_flex_mask_mod_equals_dense_mask(kind):
     from torch.nn.attention.flex_attention import create_mask
 

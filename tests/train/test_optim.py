@@ -147,7 +147,9 @@ def test_compiled_master_weight_update_equals_eager():
                 p.grad = g.cuda()
             opt.clip_and_step(1.0)
             opt.zero_grad(set_to_none=True)
-        assert all(torch.equal(p.detach(), opt.state[p]["master"].bfloat16()) for p in params)  # weights written back
+        assert all(
+            torch.equal(p.detach(), opt.state[p]["master"].bfloat16()) for p in params
+        )  # weights written back
         results.append([opt.state[p]["master"] for p in params])
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -33,10 +33,22 @@ def train_file(tmp_path_factory) -> Path:
 
 
 def _overrides(target: str, data: Path, out: Path, **extra) -> list[str]:
-    base = {"model.target": target, "model.mask_token_id": 300, "model.num_layers": 2, "model.block_size": 4,
-            "data.train": f"[{data}]", "train.out_dir": str(out), "train.max_steps": 8, "train.log_every": 1,
-            "train.num_anchors": 6, "train.batch_size": 2, "train.save_every": 4, "train.lr": 2e-3,
-            "train.resume": "auto", "train.device": "cpu"}
+    base = {
+        "model.target": target,
+        "model.mask_token_id": 300,
+        "model.num_layers": 2,
+        "model.block_size": 4,
+        "data.train": f"[{data}]",
+        "train.out_dir": str(out),
+        "train.max_steps": 8,
+        "train.log_every": 1,
+        "train.num_anchors": 6,
+        "train.batch_size": 2,
+        "train.save_every": 4,
+        "train.lr": 2e-3,
+        "train.resume": "auto",
+        "train.device": "cpu",
+    }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -52,7 +64,9 @@ def test_resume_after_sigkill_is_exact(tmp_path, qwen3_target, train_file):
 
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "flashdraft", "train", *_overrides(qwen3_target, train_file, killed)]
-    proc = subprocess.run(cmd, env={**os.environ, "FLASHDRAFT_FAULT": "kill@4"}, capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd, env={**os.environ, "FLASHDRAFT_FAULT": "kill@4"}, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [p.name for p in list_checkpoints(killed)] == ["step-00000004"]
     proc = subprocess.run(cmd, capture_output=True, text=True)  # train.resume=auto picks up step 4
@@ -67,9 +81,22 @@ def test_resume_after_sigkill_is_exact(tmp_path, qwen3_target, train_file):
 def test_gradient_accumulation_equals_large_batch(tmp_path, qwen3_target, train_file):
     big = tmp_path / "big"
     acc = tmp_path / "acc"
-    train(load_config(None, _overrides(qwen3_target, train_file, big, **{"train.max_steps": 3, "train.batch_size": 4})))
-    train(load_config(None, _overrides(qwen3_target, train_file, acc, **{"train.max_steps": 3, "train.batch_size": 2,
-                                                                           "train.grad_accum": 2})))
+    train(
+        load_config(
+            None, _overrides(qwen3_target, train_file, big, **{"train.max_steps": 3, "train.batch_size": 4})
+        )
+    )
+    train(
+        load_config(
+            None,
+            _overrides(
+                qwen3_target,
+                train_file,
+                acc,
+                **{"train.max_steps": 3, "train.batch_size": 2, "train.grad_accum": 2},
+            ),
+        )
+    )
     # Same samples per step (the sampler order does not depend on the micro-batch size), same Σw normalisation.
     a, b = _losses(big), _losses(acc)
     assert all(abs(a[s] - b[s]) < 1e-5 for s in (1, 2, 3)), (a, b)
@@ -77,8 +104,17 @@ def test_gradient_accumulation_equals_large_batch(tmp_path, qwen3_target, train_
 
 def test_training_learns_and_keeps_last_checkpoints(tmp_path, qwen3_target, train_file):
     out = tmp_path / "run"
-    train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 40, "train.save_every": 10,
-                                                                          "train.keep_last": 2, "train.lr": 5e-3})))
+    train(
+        load_config(
+            None,
+            _overrides(
+                qwen3_target,
+                train_file,
+                out,
+                **{"train.max_steps": 40, "train.save_every": 10, "train.keep_last": 2, "train.lr": 5e-3},
+            ),
+        )
+    )
     losses = _losses(out)
     first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5
     assert last < first - 0.4, (first, last)
@@ -93,7 +129,12 @@ def test_warm_start_from_drafter_directory(tmp_path, qwen3_target, train_file):
     train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2})))
     drafter = out / "checkpoints" / "step-00000002" / "drafter"
     second = tmp_path / "second"
-    train(load_config(None, _overrides(qwen3_target, train_file, second, **{"train.max_steps": 2, "model.drafter": drafter})))
+    train(
+        load_config(
+            None,
+            _overrides(qwen3_target, train_file, second, **{"train.max_steps": 2, "model.drafter": drafter}),
+        )
+    )
     assert _losses(second)[1] != _losses(out)[1]
 
 
@@ -117,11 +158,27 @@ def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3
     from flashdraft.model.checkpoint import load_drafter
 
     out = tmp_path / "run"
-    train(load_config(None, _overrides(qwen3_target, train_file, out, **{
-        "train.max_steps": 12, "train.eval_every": 4, "data.eval": f"[{train_file}]", "train.lr": 5e-3})))
+    train(
+        load_config(
+            None,
+            _overrides(
+                qwen3_target,
+                train_file,
+                out,
+                **{
+                    "train.max_steps": 12,
+                    "train.eval_every": 4,
+                    "data.eval": f"[{train_file}]",
+                    "train.lr": 5e-3,
+                },
+            ),
+        )
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [4, 8, 12] and all(1.0 <= r["tau"] <= 4.0 and "acc@1" in r for r in evals)
+    assert [r["step"] for r in evals] == [4, 8, 12] and all(
+        1.0 <= r["tau"] <= 4.0 and "acc@1" in r for r in evals
+    )
     best = load_drafter(out / "best")
     assert best.spec.block_size == 4
 
@@ -129,7 +186,13 @@ def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3
 def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, train_file, monkeypatch):
     """train.dtype=bf16: bf16 drafter weights, fp32 masters in the optimizer state; a crash after the step-4
     checkpoint and a resume give the straight run's losses exactly, and the loss still falls."""
-    bf16 = {"train.dtype": "bf16", "train.lr": 5e-3, "train.max_steps": 12, "train.grad_accum": 2, "train.batch_size": 1}
+    bf16 = {
+        "train.dtype": "bf16",
+        "train.lr": 5e-3,
+        "train.max_steps": 12,
+        "train.grad_accum": 2,
+        "train.batch_size": 1,
+    }
     straight = tmp_path / "straight"
     train(load_config(None, _overrides(qwen3_target, train_file, straight, **bf16)))
     crashed = tmp_path / "crashed"
@@ -140,7 +203,12 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
     state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
     assert all(s["master"].dtype == torch.float32 for s in state["optimizer"]["state"])
     # the drafter copy is in the weights' dtype (bf16): the fp32 masters are in the optimizer state
-    assert {t.dtype for t in load_file(crashed / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors").values()} == {torch.bfloat16}
+    assert {
+        t.dtype
+        for t in load_file(
+            crashed / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"
+        ).values()
+    } == {torch.bfloat16}
     train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
     a, b = _losses(straight), _losses(crashed)
     assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
@@ -153,16 +221,33 @@ def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwe
     from flashdraft.train.checkpoint import resolve_resume
 
     out = tmp_path / "run"
-    train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2, "train.save_every": 2})))
+    train(
+        load_config(
+            None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2, "train.save_every": 2})
+        )
+    )
     with pytest.raises(FlashdraftError, match=r"train.resume=never.*step-00000002.*train.resume=auto"):
-        train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.resume": "never", "train.lr": 1.0})))
+        train(
+            load_config(
+                None, _overrides(qwen3_target, train_file, out, **{"train.resume": "never", "train.lr": 1.0})
+            )
+        )
     assert "lr: 1.0" not in (out / "config.yaml").read_text()  # the earlier run's files are untouched
     assert resolve_resume("auto", out) == out / "checkpoints" / "step-00000002"
 
 
 def test_resume_with_another_precision_names_the_checkpoint(tmp_path, qwen3_target, train_file):
     out = tmp_path / "run"
-    train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 2, "train.save_every": 2,
-                                                                          "train.dtype": "bf16"})))
+    train(
+        load_config(
+            None,
+            _overrides(
+                qwen3_target,
+                train_file,
+                out,
+                **{"train.max_steps": 2, "train.save_every": 2, "train.dtype": "bf16"},
+            ),
+        )
+    )
     with pytest.raises(FlashdraftError, match=r"optimizer state in .*step-00000002 does not fit this run"):
         train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 4})))
