@@ -11,7 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashdraft.run.files import read_json
+from flashdraft.run_protocol import read_json
 
 LOG_NAME = "train.log"
 

@@ -22,8 +22,8 @@ from typing import Any
 from flashdraft.config import dump_yaml, load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.diagnose import LOG_NAME, classify_message
-from flashdraft.run.files import FINAL_STATES, boot_id, read_json, write_json
 from flashdraft.run.monitor import is_live, list_runs, run_state, runs_root
+from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, write_json
 
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",

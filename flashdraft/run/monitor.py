@@ -18,7 +18,7 @@ import psutil
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.diagnose import LOG_NAME, log_tail
-from flashdraft.run.files import FINAL_STATES, RUN_ID_ENV, boot_id, read_json
+from flashdraft.run_protocol import FINAL_STATES, RUN_ID_ENV, boot_id, read_json
 
 PHASE_TO_STATE = {
     "starting": "starting",

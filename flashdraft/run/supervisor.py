@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
-from flashdraft.run.files import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_json
+from flashdraft.run_protocol import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_json
 
 
 def _log(handle, message: str) -> None:

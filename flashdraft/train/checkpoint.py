@@ -23,7 +23,7 @@ import torch
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.checkpoint import save_drafter
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.run.files import FAULT_ENV
+from flashdraft.run_protocol import FAULT_ENV
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"

@@ -15,7 +15,7 @@ import traceback
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.run.files import RUN_DIR_ENV, Heartbeat
+from flashdraft.run_protocol import RUN_DIR_ENV, Heartbeat
 
 
 def _install_thread_hook(heartbeat: Heartbeat) -> None:

@@ -41,7 +41,7 @@ from flashdraft.model.checkpoint import (
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, default_gamma
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
-from flashdraft.run.files import FAULT_ENV, Heartbeat
+from flashdraft.run_protocol import FAULT_ENV, Heartbeat
 from flashdraft.train.checkpoint import load_trainer_state, resolve_resume, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss

@@ -13,9 +13,9 @@ import pytest
 from flashdraft.config import load_config
 from flashdraft.run.diagnose import diagnose_exit
 from flashdraft.run.doctor import print_checks, run_checks
-from flashdraft.run.files import Heartbeat, write_json
 from flashdraft.run.launcher import launch
 from flashdraft.run.monitor import run_state
+from flashdraft.run_protocol import Heartbeat, write_json
 
 
 def _run_dir(tmp_path, log: str):

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flashdraft.run.files import read_json
+from flashdraft.run_protocol import read_json
 
 pytestmark = pytest.mark.slow
 FLASHDRAFT = shutil.which("flashdraft") or f"{sys.executable} -m flashdraft"

@@ -1,4 +1,4 @@
-"""The run directory's files: the only interface between a job and its supervision.
+"""The run directory's files: the protocol between a job and its supervision (docs/run-files.md).
 
     <run_dir>/launch.json        written once by `launch`: command, environment, git commit, host, boot id
     <run_dir>/config.yaml        the resolved training config
@@ -8,18 +8,23 @@
     <run_dir>/rank<N>/error.json       written by the trainer on an uncaught exception (torchrun style)
     <run_dir>/rank<N>/final.json       written by the trainer on every exit path it controls
 
-Every write is atomic (temporary file + rename): a reader sees the old or the new content, never half.
-This module imports nothing else from flashdraft, so the trainer and `flashdraft status` share only the
-file formats: a broken trainer can still be diagnosed (../shared/reference/architecture-sketch.md).
+Both sides import this module and nothing of each other: `run/` never imports `train/`, so a broken
+trainer can still be diagnosed. Every write goes through `flashdraft.durable` (atomic, fsynced). A write
+that fails (a full disk) is retried, then announced by one `flashdraft: record:` line on stderr, which
+is the run log: `status` reads the outcome from that line when the file is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from flashdraft.durable import atomic_write_json
 
 RUN_DIR_ENV = "FLASHDRAFT_RUN_DIR"
 RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
@@ -39,15 +44,46 @@ PHASES = (
 FINAL_STATES = ("finished", "failed", "stopped", "killed")
 
 
+# A record that could not be written is announced on stderr with this prefix, then the JSON itself.
+RECORD_LINE = "flashdraft: record:"
+
+
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as handle:
-        json.dump(data, handle, indent=1, default=str)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, data)
+
+
+def write_record(path: str | Path, data: dict[str, Any], *, attempts: int = 3, delay: float = 0.5) -> bool:
+    """Write a protocol file, tolerating a full disk: retry, then print the record as one log line.
+
+    Returns whether the file was written. Never raises for an OS-level failure: the caller is usually
+    already on its way out with another error, which must not be masked by this one."""
+    for attempt in range(attempts):
+        try:
+            atomic_write_json(path, data)
+            return True
+        except OSError as exc:
+            error = exc
+            if attempt + 1 < attempts:
+                time.sleep(delay)
+    line = json.dumps({"file": Path(path).name, **data}, default=str)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{RECORD_LINE} {line}  (cannot write {path}: {error})", file=sys.stderr, flush=True)
+    return False
+
+
+def records_from_log(lines: list[str], name: str) -> list[dict[str, Any]]:
+    """The records of file `name` that a writer could only announce in the log (latest last)."""
+    found = []
+    for line in lines:
+        if not line.startswith(RECORD_LINE):
+            continue
+        text = line[len(RECORD_LINE) :].strip()
+        text = text[: text.rfind("}") + 1]
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(text)
+            if isinstance(record, dict) and record.pop("file", None) == name:
+                found.append(record)
+    return found
 
 
 def read_json(path: str | Path) -> dict[str, Any] | None:
@@ -89,21 +125,22 @@ class Heartbeat:
         now = time.time()
         if force or changed or now - self.last_write >= self.min_interval:
             self.state["time"] = now
-            write_json(self.dir / "heartbeat.json", self.state)
             self.last_write = now
+            with contextlib.suppress(OSError):  # best effort: the next beat retries; status shows the age
+                write_json(self.dir / "heartbeat.json", self.state)
 
     def final(self, outcome: str, **fields: Any) -> None:
         if self.dir is None:
             return
         self.beat(phase="finished" if outcome == "finished" else self.state.get("phase"), force=True)
-        write_json(
+        write_record(
             self.dir / "final.json", {"outcome": outcome, "time": time.time(), "pid": os.getpid(), **fields}
         )
 
     def error(self, exc: BaseException, traceback_text: str) -> None:
         if self.dir is None:
             return
-        write_json(
+        write_record(
             self.dir / "error.json",
             {
                 "type": type(exc).__name__,
