@@ -1,15 +1,17 @@
-"""`flashdraft bench train`: the drafter training step on a Qwen3-8B-shaped random target.
+"""`flashdraft bench train`: the drafter training step on a random target of a real model's shape.
 
-Shapes (issue #3): (a) batch 2 x seq 768, 256 anchors; (b) batch 1 x seq 3072, 512 anchors. Block 16,
-5-layer drafter on target layers [1, 9, 17, 25, 33], same process and GPU as the target. Reports the
-drafter step's achieved TFLOP/s (FLOPs the work needs, train/flops.py), MFU against the 989 TFLOP/s
-datasheet peak and the 789 TFLOP/s measured matmul ceiling (../shared/reference/gpu-machine.md), target
-ms, peak memory, and a breakdown of the drafter step timed with CUDA events.
+Targets: Qwen3-8B (default) or the seeds' hybrid Qwen3.6-27B (`--target qwen3.6-27b`). Shapes: (a) batch
+2 x seq 768, 256 anchors; (b) batch 1 x seq 3072, 512 anchors. Block 16, a 5-layer drafter on the default
+target layer ids, same process and GPU as the target. Reports the drafter step's achieved TFLOP/s (FLOPs
+the work needs, train/flops.py), MFU against the 989 TFLOP/s datasheet peak and the 789 TFLOP/s measured
+matmul ceiling (docs/benchmarks.md), target ms, peak memory, and where the drafter step's time goes,
+timed with CUDA events around the real objective's own calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -22,6 +24,7 @@ from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.model.checkpoint import make_drafter_config
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
@@ -42,15 +45,54 @@ QWEN3_8B = dict(
     rope_theta=1e6,
     tie_word_embeddings=False,
 )
+# The seeds' target: Qwen3.6-27B's text model, 64 layers, three Gated-DeltaNet (linear attention) layers
+# to each full-attention layer, hidden 5120, vocabulary 248,320.
+QWEN3_6_27B = dict(
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_value_heads=48,
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False,
+)
+TARGETS = {"qwen3-8b": QWEN3_8B, "qwen3.6-27b": QWEN3_6_27B}
+MASK_TOKEN_IDS = {"qwen3-8b": 151669, "qwen3.6-27b": 248070}
 
 
-def build_target(layer_ids: list[int], num_layers: int) -> TargetModel:
+def linear_attention_kernels() -> dict[str, bool]:
+    """Which fast kernels a hybrid target can use here (transformers falls back to torch without them)."""
+    import importlib.util
+
+    return {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+
+
+def build_target(kind: str, num_layers: int | None = None) -> TargetModel:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": num_layers})
+    shape = dict(TARGETS[kind])
+    if num_layers is not None:
+        shape["num_hidden_layers"] = num_layers
+    if kind == "qwen3.6-27b":
+        from transformers import Qwen3_5TextConfig
+
+        n = shape["num_hidden_layers"]
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+        config = Qwen3_5TextConfig(**shape, layer_types=layer_types)
+    else:
+        config = Qwen3Config(**shape)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return TargetModel(model, layer_ids, name="Qwen3-8B-shaped random target")
+    layer_ids = build_target_layer_ids(config.num_hidden_layers, 5)
+    return TargetModel(model, layer_ids, name=f"{kind}-shaped random target")
 
 
 def random_batch(shape: dict, vocab: int, seed: int) -> TokenBatch:
@@ -92,6 +134,7 @@ def run_shape(
     name: str,
     target: TargetModel,
     *,
+    mask_token_id: int,
     steps: int,
     warmup: int,
     num_layers: int,
@@ -105,7 +148,7 @@ def run_shape(
         target.config,
         num_layers=num_layers,
         block_size=16,
-        mask_token_id=151669,
+        mask_token_id=mask_token_id,
         target_layer_ids=target.layer_ids,
     )
     with torch.device("cuda"):
@@ -165,7 +208,7 @@ def run_shape(
                 )
             )
     times = timer.medians()
-    breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")), drafter)
+    breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")))
     f = flops[0]
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
@@ -195,32 +238,54 @@ def run_shape(
     }
 
 
-def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch, drafter) -> dict[str, float]:
+@contextlib.contextmanager
+def timed_phases(objective: Objective, timer: Timer):
+    """Time the real objective's phases with CUDA events around its own calls (no copy of its code):
+    the block mask builder, the drafter forward (module hooks) and the fused head loss."""
+    spans: dict[str, object] = {}
+
+    def start(name: str):
+        spans[name] = timer.span(name)
+        spans[name].__enter__()
+
+    def stop(name: str):
+        spans.pop(name).__exit__(None, None, None)
+
+    def wrap(name: str, fn):
+        def timed(*args, **kwargs):
+            start(name)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stop(name)
+
+        return timed
+
+    handles = [
+        objective.drafter.register_forward_pre_hook(lambda *_: start("drafter_forward")),
+        objective.drafter.register_forward_hook(lambda *_: stop("drafter_forward")),
+    ]
+    masks, loss = objective.masks, objective.loss
+    objective.masks = wrap("block_mask", masks)
+    objective.loss = wrap("lm_head_loss_fwd_and_grad", loss)
+    try:
+        yield
+    finally:
+        objective.masks, objective.loss = masks, loss
+        for handle in handles:
+            handle.remove()
+
+
+def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dict[str, float]:
     """Where the drafter step's time goes: each phase timed with CUDA events (median of 5)."""
     timer = Timer()
     for _ in range(5):
         blocks = objective.blocks(batch)
         features = objective.target.features(batch.input_ids)
-        b, s = batch.input_ids.shape
-        with timer.span("block_mask"):
-            masks = objective.masks(blocks, s)
-        with timer.span("drafter_forward"):
-            noise = objective.target.embed(blocks.block_ids)
-            pos = torch.arange(s, device=noise.device).expand(b, -1)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                hidden = drafter(noise, features, pos, blocks.block_positions, masks)
-        with timer.span("lm_head_loss_fwd_and_grad"):
-            w = blocks.weights.flatten()
-            rows = w.nonzero().flatten()
-            head = objective.target.lm_head_weight
-            loss, _ = objective.loss(
-                hidden.flatten(0, 1).index_select(0, rows).to(head.dtype),
-                head,
-                blocks.labels.flatten()[rows],
-                w[rows],
-            )
+        with timed_phases(objective, timer):
+            out = objective(batch, blocks, features=features)
         with timer.span("drafter_backward"):
-            (loss / w.sum()).backward()
+            (out.loss_sum / out.weight_sum).backward()
         with timer.span("clip_and_adamw"):
             optimizer.clip_and_step(1.0)
             optimizer.zero_grad(set_to_none=True)
@@ -233,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--drafter-layers", type=int, default=5)
-    parser.add_argument("--target-layers", type=int, default=36)
+    parser.add_argument(
+        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="target shape (random weights)"
+    )
+    parser.add_argument(
+        "--target-layers", type=int, default=None, help="fewer target layers (default: the model's)"
+    )
     parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
     parser.add_argument(
@@ -246,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("flashdraft bench train: needs a CUDA GPU")
         return 2
-    target = build_target([1, 9, 17, 25, 33], args.target_layers)
+    target = build_target(args.target, args.target_layers)
     results = []
     for name in args.shape or ["a", "b"]:
         results.append(
@@ -256,13 +326,23 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps,
                 warmup=args.warmup,
                 num_layers=args.drafter_layers,
+                mask_token_id=MASK_TOKEN_IDS[args.target],
                 compile=not args.no_compile,
                 loss_chunk=args.loss_chunk,
                 master_weights=not args.no_master_weights,
             )
         )
         torch.cuda.empty_cache()
-    report = {**provenance("train", argv), "results": results}
+    report = {
+        **provenance("train", argv),
+        "target": {
+            "kind": args.target,
+            "layers": target.config.num_hidden_layers,
+            "layer_ids": list(target.layer_ids),
+        },
+        "linear_attention_kernels": linear_attention_kernels(),
+        "results": results,
+    }
     header = f"{'shape':5} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}"
     print(header)
     for r in results:
