@@ -4,6 +4,8 @@
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
+#   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
+#          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
@@ -26,6 +28,12 @@ print('NVML:', gpu_usage())
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
   probe)
     python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
+  hybrid)
+    python3 -m flashdraft bench train --target qwen3.6-27b --shape a --out "$out/train_h200_27b_torch_fallback.json" 2>&1 \
+      | grep -v -i warn | tail -3
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
+    PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench train --target qwen3.6-27b --shape a \
+      --out "$out/train_h200_27b_fla.json" 2>&1 | grep -v -i warn | tail -3 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
 esac
