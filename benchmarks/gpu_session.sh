@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
-# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=<sha> bash benchmarks/gpu_session.sh tests|eval|probe|train
+# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh tests|eval|probe|train
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
