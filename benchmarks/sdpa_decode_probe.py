@@ -80,7 +80,7 @@ def generate_step_times() -> list[dict]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     import flashdraft.infer.decode as decode
-    from flashdraft.bench.train_bench import QWEN3_8B
+    from flashdraft.bench.shapes import QWEN3_8B
     from flashdraft.model.checkpoint import make_drafter_config
     from flashdraft.model.drafter import DFlashDraftModel
     from flashdraft.model.target import TargetModel

@@ -1,4 +1,5 @@
-"""`flashdraft bench eval`: wall-clock speculative-decoding speedup on a Qwen3-8B-shaped target.
+"""`flashdraft bench eval`: wall-clock speculative-decoding speedup on a random target of a real shape
+(Qwen3-8B by default; `--target qwen3.6-27b` for the seeds' hybrid, `--target-layers` to shorten it).
 
 No real weights can be downloaded, so the whole path runs on a random target: its own greedy answers
 are the training data (as DFlash prescribes), a 5-layer drafter is trained on them for a few hundred
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from flashdraft.bench.provenance import provenance
-from flashdraft.bench.train_bench import QWEN3_8B
+from flashdraft.bench.shapes import TARGETS, build_random_target
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import LocalEngine, Sampling
 from flashdraft.infer.evaluate import EvalSettings, run_eval
@@ -47,6 +48,20 @@ TINY = dict(
     rope_theta=1e6,
     tie_word_embeddings=False,
 )
+
+
+def zero_residual_branches(model: torch.nn.Module) -> None:
+    """The `repeat` workload: every residual branch's output projection (attention, linear attention, MLP)
+    is zeroed, so the target repeats its last token while every matmul still runs."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for mixer in ("self_attn", "linear_attn"):
+                if hasattr(layer, mixer):
+                    projection = getattr(layer, mixer)
+                    (
+                        projection.o_proj if hasattr(projection, "o_proj") else projection.out_proj
+                    ).weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,10 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-vocab", type=int, default=256, help="prompts use token ids below this")
     parser.add_argument("--lr", type=float, default=6e-4, help="drafter learning rate")
     parser.add_argument("--tiny", action="store_true", help="a tiny target on the CPU (tests)")
+    parser.add_argument(
+        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="target shape (random weights)"
+    )
+    parser.add_argument(
+        "--target-layers", type=int, default=None, help="fewer target layers (stated in the result)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     device = "cpu" if args.tiny else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("flashdraft bench eval: needs a CUDA GPU (or --tiny)")
@@ -80,20 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     timings = {}
     started = time.perf_counter()
-    shape = {**(TINY if args.tiny else QWEN3_8B), "tie_word_embeddings": args.workload == "repeat"}
-    vocab = shape["vocab_size"]
-    mask_id = vocab - 1
+    tie = {"tie_word_embeddings": args.workload == "repeat"}
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            Qwen3Config(**shape), dtype=torch.float32 if args.tiny else torch.bfloat16
+    if args.tiny:
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(Qwen3Config(**{**TINY, **tie}), dtype=torch.float32)
+    else:
+        model = build_random_target(
+            args.target, device=device, dtype=torch.bfloat16, num_layers=args.target_layers, **tie
         )
     model.eval()
+    vocab = model.config.vocab_size
+    mask_id = vocab - 1
     if args.workload == "repeat":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight.zero_()
-                layer.mlp.down_proj.weight.zero_()
+        zero_residual_branches(model)
 
     # 1. the target's own greedy answers to random prompts: training data and held-out prompts
     g = torch.Generator().manual_seed(1)
@@ -114,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples :])
     )
     model.save_pretrained(work / "target")
+    model_shape = {"kind": "tiny" if args.tiny else args.target, **model.config.to_diff_dict()}
     del model
     timings["data_s"] = round(time.perf_counter() - started, 1)
     print(f"data: {len(prompts)} target answers in {timings['data_s']} s", flush=True)
@@ -165,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(
         {
             **provenance("eval", argv),
-            "target_shape": shape,
+            "target_shape": model_shape,
             "workload": args.workload,
             "training_steps": args.steps,
             "training_samples": args.samples,
