@@ -3,8 +3,7 @@ or several ranks under torchrun). Production code carries no fault hooks.
 
     python -m tests.train.inject FAULT [FAULT ...] -- train [key=value ...]
 
-Faults: `kill-after-save@N` (SIGKILL once the step-N checkpoint is written), `kill-after-log@N` (SIGKILL
-once the metrics of step N are logged), `inf-loss@N:R` (the loss of step N on rank R reads inf while its
+Faults: `kill-after-log@N` (SIGKILL once the metrics of step N are logged), `inf-loss@N:R` (the loss of step N on rank R reads inf while its
 gradients stay finite: only an agreement across ranks makes every rank skip that step).
 """
 
@@ -23,22 +22,12 @@ def _at(spec: str) -> tuple[int, int | None]:
 
 
 def install(fault: str) -> None:
-    from flashdraft.train import metrics, trainer
+    from flashdraft.train import metrics
     from flashdraft.train.step import Objective
 
     what, _, where = fault.partition("@")
     step, rank = _at(where)
-    if what == "kill-after-save":
-        real_save = trainer.save_checkpoint
-
-        def save_then_kill(out_dir, at, *args, **kwargs):
-            path = real_save(out_dir, at, *args, **kwargs)
-            if at == step:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return path
-
-        trainer.save_checkpoint = save_then_kill
-    elif what == "kill-after-log":
+    if what == "kill-after-log":
         real_log = metrics.MetricsLogger.log
 
         def log_then_kill(self, at, values, kind="train"):

@@ -73,21 +73,21 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def test_resume_after_sigkill_is_exact(tmp_path, qwen3_target, train_file):
+def test_resume_after_sigkill_is_exact_and_logs_each_step_once(tmp_path, qwen3_target, train_file):
     straight = tmp_path / "straight"
     train(load_config(None, _overrides(qwen3_target, train_file, straight)))
 
     killed = tmp_path / "killed"
     args = ["train", *_overrides(qwen3_target, train_file, killed)]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.train.inject", "kill-after-save@4", "--", *args],
+        [sys.executable, "-m", "tests.train.inject", "kill-after-log@6", "--", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [p.name for p in list_checkpoints(killed)] == ["step-00000004"]
-    # train.resume=auto picks up step 4
+    # train.resume=auto picks up step 4 and replays steps 5 and 6, whose rows the killed run had logged
     proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout
@@ -95,6 +95,8 @@ def test_resume_after_sigkill_is_exact(tmp_path, qwen3_target, train_file):
     a, b = _losses(straight), _losses(killed)
     assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
     assert all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    logged = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 9)), logged
 
 
 def test_gradient_accumulation_equals_large_batch(tmp_path, qwen3_target, train_file):
