@@ -332,10 +332,6 @@ def validate(config: Config) -> None:
             f"model.target_layer_ids must be a non-empty list of layer indices >= 0, got {m.target_layer_ids}",
         ),
         (
-            m.target_layer_ids is None or len(set(m.target_layer_ids)) == len(m.target_layer_ids),
-            f"model.target_layer_ids has a repeated layer: {m.target_layer_ids}",
-        ),
-        (
             m.mask_token_id is None or m.mask_token_id >= 0,
             f"model.mask_token_id must be >= 0, got {m.mask_token_id}",
         ),

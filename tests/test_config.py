@@ -83,7 +83,6 @@ def test_a_non_finite_number_is_refused_naming_the_field(override, field):
         ("model.block_size=1", "model.block_size must be at least 2"),
         ("model.num_layers=0", "model.num_layers must be at least 1"),
         ("model.target_layer_ids=[]", "model.target_layer_ids must be a non-empty list"),
-        ("model.target_layer_ids=[2,2]", "model.target_layer_ids has a repeated layer"),
         ("model.mask_token_id=-1", "model.mask_token_id must be >= 0"),
         ("data.max_length=16", "data.max_length must be at least 2 * model.block_size (32)"),
     ],

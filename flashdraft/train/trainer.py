@@ -158,9 +158,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     stop = _StopRequest()
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
-    topo, device = init_topology(
-        t.device
-    )  # one process per GPU under torchrun; plain single process otherwise
+    # One process per GPU under torchrun; a plain single process otherwise.
+    topo, device = init_topology(t.device)
 
     def say(line: str) -> None:  # the main rank speaks for all
         if topo.is_main:
@@ -172,9 +171,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         raise FlashdraftError(
             "model.target: no target model directory given (set model.target=/path/to/model)"
         )
-    if topo.is_main:
-        for partial in remove_stale_partials(out_dir):  # a checkpoint write that died (crash, full disk)
-            print(f"removed an incomplete checkpoint left by an earlier run: {partial}", flush=True)
+    if topo.is_main:  # the only writer of checkpoints clears what its dead predecessors left half-written
+        for partial in remove_stale_partials(out_dir):
+            say(f"removed an incomplete checkpoint left by an earlier run: {partial}")
     # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
     resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main)
 
@@ -261,8 +260,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step, best_tau, skipped = state["step"], state["best_tau"], state["skipped_steps"]
-        resume_from = resume_from.path  # the verified drafter copy is no longer needed
-        say(f"resumed from {resume_from} at step {step}")
+        say(f"resumed from {resume_from.path} at step {step}")
+        del state
+        resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
 
     def trainer_state() -> dict[str, Any]:
         return {
