@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,17 +27,37 @@ def doc(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+# A new drafter's shape when the config leaves it open (the paper's): see resolve_drafter_fields.
+DEFAULT_NUM_LAYERS = 5
+DEFAULT_BLOCK_SIZE = 16
+# The model fields a drafter directory fixes: with model.drafter they come from it (docs/training-safety.md).
+DRAFTER_FIELDS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id")
+
+
 @dataclass
 class ModelConfig:
     target: str = doc("", "Local directory of the Hugging Face causal LM to draft for (frozen).")
-    drafter: str = doc("", "Existing drafter directory to warm-start from; empty builds a new drafter.")
-    num_layers: int = doc(5, "Decoder layers of a new drafter (paper: 5).")
-    block_size: int = doc(16, "Block size B of a new drafter: 1 anchor + B-1 masked positions.")
+    drafter: str = doc(
+        "",
+        "Existing drafter directory to warm-start from; empty builds a new drafter. Its config fixes "
+        "num_layers, block_size, target_layer_ids and mask_token_id (set them only to assert its values).",
+    )
+    num_layers: int | None = doc(
+        None, f"Decoder layers of a new drafter; default {DEFAULT_NUM_LAYERS} (paper), or model.drafter's."
+    )
+    block_size: int | None = doc(
+        None,
+        f"Block size B (1 anchor + B-1 masked positions); default {DEFAULT_BLOCK_SIZE} (paper), or model.drafter's.",
+    )
     target_layer_ids: list[int] | None = doc(
-        None, "Target layers whose outputs feed the drafter; default spreads num_layers ids from 1 to L-3."
+        None,
+        "Target layers whose outputs feed the drafter; default spreads num_layers ids from 1 to L-3, "
+        "or model.drafter's.",
     )
     mask_token_id: int | None = doc(
-        None, "Token id used for masked block positions; default from the tokenizer or the Qwen3 convention."
+        None,
+        "Token id used for masked block positions; default from the tokenizer or the Qwen3 convention, "
+        "or model.drafter's.",
     )
 
 
@@ -78,7 +100,20 @@ class TrainConfig:
     save_every: int = doc(500, "Optimizer steps between checkpoints (a final one is always written).")
     eval_every: int = doc(0, "Optimizer steps between simulated-acceptance evaluations (0: off).")
     keep_last: int = doc(3, "Checkpoints kept on disk.")
-    resume: str = doc("auto", "'auto' (latest checkpoint in out_dir if any), 'never', or a checkpoint path.")
+    resume: str = doc(
+        "auto",
+        "'auto' (latest complete checkpoint in out_dir, falling back past a damaged one), 'never', or a "
+        "checkpoint path.",
+    )
+    resume_allow_changes: bool = doc(
+        False,
+        "Resume even though trajectory-changing settings (lr, num_anchors, batch size, world size...) differ "
+        "from the checkpoint's; false refuses and lists them.",
+    )
+    max_bad_steps: int = doc(
+        8,
+        "A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.",
+    )
 
 
 @dataclass
@@ -172,13 +207,45 @@ def _apply(obj: Any, data: dict[str, Any], prefix: str, source: str) -> None:
             setattr(obj, key, _coerce(value, tp, f"{source}: '{dotted}'"))
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int, first_line: int):
+        super().__init__(key)
+        self.key, self.line, self.first_line = key, line, first_line
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a key repeated in one mapping is an error: PyYAML would keep the
+    last value without a word, so a setting written twice would silently lose one of them."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: SafeLoader reports it itself
+                continue
+            if first is not None:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1, first)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`train.lr=1e-4` -> ("train.lr", 1e-4); the value is read as YAML (numbers, lists, true/false, null)."""
     if "=" not in text:
         raise FlashdraftError(f"override '{text}': expected key=value, e.g. train.lr=3e-4")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
+    except _DuplicateKey as dup:
+        raise FlashdraftError(f"override '{text}': duplicate key '{dup.key}'") from None
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
@@ -204,7 +271,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as exc:
             raise FlashdraftError(f"config file {path}: {exc.strerror}") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = _load_yaml(text) or {}
+        except _DuplicateKey as dup:
+            raise FlashdraftError(
+                f"config file {path} line {dup.line}: duplicate key '{dup.key}' (first at line "
+                f"{dup.first_line}); keep one of them"
+            ) from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark else ""
@@ -223,33 +295,110 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
+def _float_fields(obj: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """(dotted key, value) of every float-valued field, in every section."""
+    found = []
+    for name, f in _section_fields(type(obj)).items():
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(f.type):
+            found.extend(_float_fields(value, f"{prefix}{name}."))
+        elif isinstance(value, float):
+            found.append((f"{prefix}{name}", value))
+    return found
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
 def validate(config: Config) -> None:
-    """Range checks that do not need the target model."""
-    t = config.train
+    """Range and finiteness checks that need neither the target nor the drafter (those come in
+    `resolve_drafter_fields` and the trainer). Every message names the dotted field."""
+    for key, value in _float_fields(config):  # nan and inf pass every comparison below unnoticed
+        if not math.isfinite(value):
+            raise FlashdraftError(f"config: {key} must be a finite number, got {value}")
+    m, d, t = config.model, config.data, config.train
+    block_size = m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE
     checks = [
-        (config.model.block_size >= 2, "model.block_size must be at least 2"),
-        (config.model.num_layers >= 1, "model.num_layers must be at least 1"),
         (
-            config.data.max_length >= 2 * config.model.block_size,
-            "data.max_length must be at least 2 * block_size",
+            m.block_size is None or m.block_size >= 2,
+            f"model.block_size must be at least 2, got {m.block_size}",
         ),
-        (t.batch_size >= 1 and t.grad_accum >= 1, "train.batch_size and train.grad_accum must be at least 1"),
-        (t.num_anchors >= 1, "train.num_anchors must be at least 1"),
-        (t.lr > 0, "train.lr must be positive"),
-        (0 <= t.warmup_ratio < 1, "train.warmup_ratio must be in [0, 1)"),
-        (t.gamma is None or t.gamma > 0, "train.gamma must be positive"),
+        (
+            m.num_layers is None or m.num_layers >= 1,
+            f"model.num_layers must be at least 1, got {m.num_layers}",
+        ),
+        (
+            m.target_layer_ids is None or (m.target_layer_ids and min(m.target_layer_ids) >= 0),
+            f"model.target_layer_ids must be a non-empty list of layer indices >= 0, got {m.target_layer_ids}",
+        ),
+        (
+            m.mask_token_id is None or m.mask_token_id >= 0,
+            f"model.mask_token_id must be >= 0, got {m.mask_token_id}",
+        ),
+        (
+            m.drafter
+            or d.max_length >= 2 * block_size,  # with a drafter: checked once its block size is known
+            f"data.max_length must be at least 2 * model.block_size ({2 * block_size}), got {d.max_length}",
+        ),
+        (t.epochs >= 1, f"train.epochs must be at least 1, got {t.epochs}"),
+        (t.max_steps >= 0, f"train.max_steps must be >= 0 (0: run all epochs), got {t.max_steps}"),
+        (t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}"),
+        (t.grad_accum >= 1, f"train.grad_accum must be at least 1, got {t.grad_accum}"),
+        (t.num_anchors >= 1, f"train.num_anchors must be at least 1, got {t.num_anchors}"),
+        (t.lr > 0, f"train.lr must be positive, got {t.lr}"),
+        (t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}"),
+        (
+            t.lr * t.weight_decay < 1,  # AdamW multiplies the weights by 1 - lr * weight_decay
+            f"train.lr * train.weight_decay must be below 1, got {t.lr} * {t.weight_decay}",
+        ),
+        (0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}"),
+        (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
+        (t.grad_clip > 0, f"train.grad_clip must be positive (a global-norm limit), got {t.grad_clip}"),
+        (t.gamma is None or t.gamma > 0, f"train.gamma must be positive, got {t.gamma}"),
+        (t.seed >= 0, f"train.seed must be >= 0, got {t.seed}"),
+        (
+            bool(_DEVICE.match(t.device)),
+            f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}",
+        ),
         (t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got {t.dtype!r}"),
         (
             t.attention in ("auto", "flex", "sdpa"),
             f"train.attention must be auto, flex or sdpa, got {t.attention!r}",
         ),
-        (t.keep_last >= 1, "train.keep_last must be at least 1"),
-        (t.log_every >= 1 and t.save_every >= 1, "train.log_every and train.save_every must be at least 1"),
-        (t.loss_chunk >= 1, "train.loss_chunk must be at least 1"),
+        (t.loss_chunk >= 1, f"train.loss_chunk must be at least 1, got {t.loss_chunk}"),
+        (t.log_every >= 1, f"train.log_every must be at least 1, got {t.log_every}"),
+        (t.save_every >= 1, f"train.save_every must be at least 1, got {t.save_every}"),
+        (t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}"),
+        (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
+        (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
+        (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
     ]
     for ok, message in checks:
         if not ok:
             raise FlashdraftError(f"config: {message}")
+
+
+def resolve_drafter_fields(config: Config, actual: dict[str, Any], source: str) -> Config:
+    """The config with model.num_layers, block_size, target_layer_ids and mask_token_id set to the values
+    of the drafter actually trained (`actual`, from its config), so that the config.yaml a run writes
+    records what was used. With model.drafter, a value the user set that disagrees with the drafter's is
+    an error naming both (docs/training-safety.md)."""
+    m = config.model
+    if m.drafter:
+        for name in DRAFTER_FIELDS:
+            given = getattr(m, name)
+            if given is not None and given != actual[name]:
+                raise FlashdraftError(
+                    f"model.{name}={given} disagrees with model.drafter={m.drafter} ({source}: {actual[name]}); "
+                    f"drop model.{name} or set it to {actual[name]}"
+                )
+    resolved = dataclasses.replace(config, model=dataclasses.replace(m, **actual))
+    if resolved.data.max_length < 2 * resolved.model.block_size:
+        raise FlashdraftError(
+            f"config: data.max_length must be at least 2 * model.block_size ({2 * resolved.model.block_size}), "
+            f"got {resolved.data.max_length}"
+        )
+    return resolved
 
 
 def to_dict(config: Config) -> dict[str, Any]:

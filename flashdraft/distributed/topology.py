@@ -92,3 +92,12 @@ def barrier(topo: Topology) -> None:
 def shutdown(topo: Topology) -> None:
     if topo.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def any_rank_flags(flags: list[torch.Tensor | bool], device: torch.device, topo: Topology) -> list[bool]:
+    """Each flag, true if set on any rank, in one all-reduce; device-tensor flags are read with one host
+    sync in all (a flag computed on the device, e.g. a finiteness check, is not read on its own)."""
+    tensor = torch.stack([torch.as_tensor(f, device=device).reshape(()).float() for f in flags])
+    if topo.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [v > 0 for v in tensor.tolist()]

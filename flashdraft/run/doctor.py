@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashdraft.config import Config
+from flashdraft.config import DEFAULT_NUM_LAYERS, Config
 from flashdraft.errors import FlashdraftError
 
 
@@ -114,9 +114,8 @@ def _drafter(config: Config) -> Check:
             drafter = read_config(config.model.drafter)
             check_against_target(drafter, target, f"model.drafter={config.model.drafter}")
             return Check("drafter", True, f"{config.model.drafter} fits the target")
-        ids = config.model.target_layer_ids or build_target_layer_ids(
-            target.num_hidden_layers, config.model.num_layers
-        )
+        num_layers = config.model.num_layers or DEFAULT_NUM_LAYERS  # None: the default of a new drafter
+        ids = config.model.target_layer_ids or build_target_layer_ids(target.num_hidden_layers, num_layers)
         bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]
         if bad:
             return Check(
@@ -133,7 +132,7 @@ def _drafter(config: Config) -> Check:
                 f"model.mask_token_id={mask} is outside the vocabulary ({target.vocab_size})",
                 "use an id inside the embedding, e.g. the first row past the tokenizer's entries",
             )
-        return Check("drafter", True, f"new {config.model.num_layers}-layer drafter on target layers {ids}")
+        return Check("drafter", True, f"new {num_layers}-layer drafter on target layers {ids}")
     except FlashdraftError as exc:
         return Check(
             "drafter", False, str(exc), "fix the drafter directory or drop model.drafter to start fresh"
@@ -188,7 +187,7 @@ def _output(config: Config) -> Check:
 
         t = load_target_config(config.model.target)
         layer = 4 * t.hidden_size * t.hidden_size + 3 * t.hidden_size * t.intermediate_size
-        params = config.model.num_layers * layer + 5 * t.hidden_size * t.hidden_size
+        params = (config.model.num_layers or DEFAULT_NUM_LAYERS) * layer + 5 * t.hidden_size * t.hidden_size
         # fp32 weights, Adam moments and (bf16 training) fp32 master weights in the optimizer state
         need = int(
             params * (16 if config.train.master_weights else 12) * (config.train.keep_last + 1) + (1 << 30)

@@ -2,31 +2,41 @@
 
 `<out_dir>/checkpoints/step-00000100/` holds `drafter/` (config.json + model.safetensors in the weights'
 dtype) and `trainer_state.pt` (optimizer, with the fp32 master weights when the drafter trains in bf16;
-scheduler, sampler position, RNG states, step). It is
-written under a temporary name and renamed into place, so a crash at any moment leaves either the
-previous checkpoints or a complete new one; keep the last K.
+scheduler, sampler position, RNG states, step, the run's resolved config and world size). The format and
+its guarantees are in docs/training-safety.md:
+
+- written through `durable.atomic_directory`: every file fsynced, then one rename, so a crash or a full
+  disk leaves the previous checkpoints and no half-written one under a `step-*` name;
+- `trainer_state.pt` holds tensors and plain values only and is read with `weights_only=True`: a
+  checkpoint from someone else cannot run code when it is resumed;
+- `resume=auto` verifies the latest checkpoint and falls back to the one before when it is damaged.
 """
 
 from __future__ import annotations
 
-import errno
-import os
+import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
+from flashdraft.durable import atomic_directory, disk_full_reason, remove_partials
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import save_drafter
+from flashdraft.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.run_protocol import FAULT_ENV
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"
+DRAFTER_DIR = "drafter"
+# Bumped when trainer_state.pt changes shape; a checkpoint of another format is refused by name.
+STATE_FORMAT = 2
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -34,26 +44,61 @@ def checkpoint_root(out_dir: str | Path) -> Path:
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
+    """Every `step-N` directory, oldest first (complete or not: `find_resume` verifies them)."""
     root = checkpoint_root(out_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / STATE_NAME).is_file()]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
+def remove_stale_partials(out_dir: str | Path) -> list[Path]:
+    """Remove the temporary checkpoint directories of writers that died (a crash, a full disk)."""
+    return remove_partials(checkpoint_root(out_dir))
+
+
+# --------------------------------------------------------------------------- RNG states as tensors
+# weights_only loading accepts tensors and plain values, not numpy arrays or arbitrary tuples' contents.
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["kind"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def save_checkpoint(
@@ -63,35 +108,95 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
 ) -> Path:
+    """Write `step-N` atomically and durably, then keep the last `keep_last`. Any failure removes the
+    temporary directory; a full disk is reported as such (torch and safetensors do not raise OSError)."""
     root = checkpoint_root(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    full: str | None = None
     try:
-        tmp.mkdir()
-        # In the weights' own dtype: with bf16 weights the fp32 masters are in the optimizer state, and an
-        # fp32 copy of bf16 values would only add 2 bytes per parameter to every write.
-        save_drafter(drafter, tmp / "drafter", dtype=next(drafter.parameters()).dtype)
-        if os.environ.get(FAULT_ENV) == f"diskfull@{step}":  # the supervision tests' simulated full disk
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / STATE_NAME)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise FlashdraftError(f"checkpoint step {step}: cannot write {root}: {exc.strerror or exc}") from exc
+        with atomic_directory(final, replace=True) as tmp:
+            try:
+                # In the weights' own dtype: with bf16 weights the fp32 masters are in the optimizer state,
+                # and an fp32 copy of bf16 values would only add 2 bytes per parameter to every write.
+                save_drafter(drafter, tmp / DRAFTER_DIR, dtype=next(drafter.parameters()).dtype)
+                torch.save({**trainer_state, "format": STATE_FORMAT, "rng": rng_state()}, tmp / STATE_NAME)
+            except Exception as exc:
+                full = disk_full_reason(exc, root)  # measured while the temporary still fills the disk
+                raise
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        full = full or disk_full_reason(exc, root)
+        if full:
+            raise FlashdraftError(
+                f"checkpoint step {step}: disk full writing {root}: {full}; the earlier checkpoints are intact "
+                "(free space, or lower train.keep_last, then resume with train.resume=auto)"
+            ) from None
+        raise FlashdraftError(
+            f"checkpoint step {step}: cannot write {root}: {type(exc).__name__}: {exc}"
+        ) from exc
     for old in list_checkpoints(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def resolve_resume(resume: str, out_dir: str | Path) -> Path | None:
-    """'auto': the latest complete checkpoint in out_dir, if any; 'never': none; else a checkpoint path.
+# --------------------------------------------------------------------------- reading and resuming
 
-    'never' into an out_dir that holds another run's checkpoints is an error: the two runs' step
-    directories would interleave, and a later `resume=auto` could pick the older run's latest step."""
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """Read `trainer_state.pt` with `weights_only=True`; a pickle that needs more than tensors and plain
+    values (it could run code) is refused, naming the file and the object it asked for."""
+    file = path / STATE_NAME
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        what = f" ({found.group(1)})" if found else ""
+        raise FlashdraftError(
+            f"{file}: refused: it holds a pickled object{what} beyond tensors and plain values, which could "
+            "run code when loaded; flashdraft writes none, so this file was not written by this version of "
+            "flashdraft or was tampered with"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise FlashdraftError(
+            f"{file}: cannot read ({type(exc).__name__}: {exc})".replace("\n", " ")
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise FlashdraftError(
+            f"{file}: trainer state format {got!r}, expected {STATE_FORMAT} (written by another flashdraft "
+            "version); start over in a new train.out_dir"
+        )
+    return state
+
+
+@dataclass
+class ResumePoint:
+    """A verified checkpoint: its directory, its trainer state and its drafter (fp32, on the CPU)."""
+
+    path: Path
+    state: dict[str, Any]
+    drafter: DFlashDraftModel
+
+
+def verify_checkpoint(path: Path) -> ResumePoint:
+    """Every file present, the trainer state loads, the drafter loads; else a FlashdraftError saying why."""
+    for name in (STATE_NAME, f"{DRAFTER_DIR}/{CONFIG_NAME}", f"{DRAFTER_DIR}/{WEIGHTS_NAME}"):
+        if not (path / name).is_file():
+            raise FlashdraftError(f"checkpoint {path}: {name} is missing")
+    state = load_trainer_state(path)
+    drafter = load_drafter(path / DRAFTER_DIR, dtype=torch.float32)
+    return ResumePoint(path, state, drafter)
+
+
+def find_resume(
+    resume: str, out_dir: str | Path, *, log: Callable[[str], None] = print, set_aside: bool = True
+) -> ResumePoint | None:
+    """'auto': the latest checkpoint in out_dir that verifies, if any; 'never': none; else that path.
+
+    With 'auto', a damaged checkpoint (a torn file, a missing one) is skipped with a line saying which
+    and why, renamed `step-N.damaged` when `set_aside` (so that pruning and later resumes pass it by),
+    and the one before is used. 'never' into an out_dir that holds another run's checkpoints is an error:
+    the two runs' step directories would interleave, and a later `resume=auto` could pick the older
+    run's latest step."""
     if resume == "never":
         found = list_checkpoints(out_dir)
         if found:
@@ -103,15 +208,28 @@ def resolve_resume(resume: str, out_dir: str | Path) -> Path | None:
         return None
     if resume == "auto":
         found = list_checkpoints(out_dir)
-        return found[-1] if found else None
+        for path in reversed(found):
+            try:
+                point = verify_checkpoint(path)
+            except FlashdraftError as exc:
+                aside = path.with_name(f"{path.name}.damaged")
+                moved = ""
+                if set_aside:
+                    try:
+                        path.rename(aside)
+                        moved = f"; moved to {aside.name}"
+                    except OSError:
+                        pass
+                log(f"resume: skipping checkpoint {path.name}: {exc}{moved}")
+                continue
+            return point
+        if found:
+            raise FlashdraftError(
+                f"train.resume=auto: none of the {len(found)} checkpoint(s) in {checkpoint_root(out_dir)} is "
+                "complete (see the lines above); resume from a path or start over in another train.out_dir"
+            )
+        return None
     path = Path(resume)
     if not (path / STATE_NAME).is_file():
         raise FlashdraftError(f"train.resume={resume}: not a checkpoint directory (no {STATE_NAME})")
-    return path
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path / STATE_NAME, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise FlashdraftError(f"checkpoint {path}: cannot read {STATE_NAME} ({exc})") from None
+    return verify_checkpoint(path)

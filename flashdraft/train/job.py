@@ -2,7 +2,8 @@
 
 faulthandler dumps all threads' stacks on fatal signals; an exception in any thread ends the process
 (instead of leaving a half-dead run); uncaught exceptions are written to error.json, and final.json
-records the outcome (../shared/reference/supervision.md §3.4). Output is flushed line by line.
+records the outcome and the count of skipped non-finite steps (docs/run-files.md,
+docs/training-safety.md). Output is flushed line by line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def _install_thread_hook(heartbeat: Heartbeat) -> None:
     threading.excepthook = hook
 
 
+def _skipped(heartbeat: Heartbeat) -> dict[str, int]:
+    """The trainer's count of skipped non-finite steps so far, as its heartbeat last reported it."""
+    count = heartbeat.state.get("skipped_steps")
+    return {} if count is None else {"skipped_steps": count}
+
+
 def run_job(path: str | None, overrides: list[str]) -> dict:
     heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV), rank=int(os.environ.get("RANK", "0")))
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -47,11 +54,11 @@ def run_job(path: str | None, overrides: list[str]) -> dict:
         result = train(config, heartbeat=heartbeat)
     except FlashdraftError as exc:
         heartbeat.error(exc, "")
-        heartbeat.final("failed", reason=str(exc))
+        heartbeat.final("failed", reason=str(exc), **_skipped(heartbeat))
         raise
     except BaseException as exc:
         heartbeat.error(exc, traceback.format_exc())
-        heartbeat.final("failed", reason=f"{type(exc).__name__}: {exc}")
+        heartbeat.final("failed", reason=f"{type(exc).__name__}: {exc}", **_skipped(heartbeat))
         raise
-    heartbeat.final(result["outcome"], step=result["steps"])
+    heartbeat.final(result["outcome"], step=result["steps"], skipped_steps=result["skipped_steps"])
     return result

@@ -1,4 +1,8 @@
-"""Metrics to the console (progress bar on a terminal, plain lines in a log), TensorBoard and JSONL."""
+"""Metrics to the console (progress bar on a terminal, plain lines in a log), TensorBoard and JSONL.
+
+A resumed run continues the files of the run it resumes: rows past the resumed step (written after the
+checkpoint, before the crash) are dropped first, so every step appears once (docs/training-safety.md).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from flashdraft.durable import atomic_write_text
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -24,23 +30,45 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key} {value}"
 
 
+def truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of `path` up to `step` (and drop a torn last line), rewritten atomically."""
+    if not path.is_file():
+        return
+    kept, dropped = [], False
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            dropped = True  # a line cut short by a crash
+            continue
+        if row_step <= step:
+            kept.append(line)
+        else:
+            dropped = True
+    if dropped:
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+
+
 class MetricsLogger:
     """One record per log interval: metrics.jsonl (for scripts and `flashdraft status`), TensorBoard
     events, and a console line or progress bar. JSONL lines are flushed at once: a crash loses none."""
 
     CONSOLE_KEYS = ("loss", "acc@1", "acc@2", "acc@4", "tau", "lr", "grad_norm", "block_tok_s", "mfu")
 
-    def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool = True, start_step: int = 0):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.out_dir / "metrics.jsonl").open("a")
+        path = self.out_dir / "metrics.jsonl"
+        truncate_after(path, start_step)
+        self.jsonl = path.open("a")
         self.total_steps = total_steps
         self.writer = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(self.out_dir / "tensorboard"))
+                # purge_step: events past the resumed step, from the run that crashed, are dropped
+                self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_step + 1)
             except ImportError:
                 self.writer = None
         self.progress = None

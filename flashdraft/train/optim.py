@@ -10,8 +10,10 @@
   the per-step weight casts and fp32 gradient copies disappear). Gradients of several micro-batches,
   or of several ranks, are summed in fp32, not in bf16.
 
-Both expose the same three calls the trainer uses: `accumulate_gradients()` between micro-batches,
-`gradients(fp32=...)` (the tensors to all-reduce), and `clip_and_step(max_norm)`.
+Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
+`gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
+update, docs/training-safety.md), `clip_and_step(max_norm, norm)`, and `discard_gradients()` (after a
+step, or instead of a skipped one).
 """
 
 from __future__ import annotations
@@ -50,20 +52,30 @@ class ClippedAdamW(torch.optim.AdamW):
     def gradients(self, fp32: bool = False) -> list[Tensor]:
         return _ensure_grads(_params(self))
 
-    def clip_and_step(self, max_norm: float) -> Tensor:
-        """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync)."""
-        params = _params(self)
+    def grad_norm(self) -> Tensor:
+        """The global L2 norm of the gradients (a device scalar: no sync)."""
         if not self.defaults.get("fused"):
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return torch.nn.utils.get_total_norm(self.gradients())  # what clip_grad_norm_ computes
+        return global_norm(self.gradients())
+
+    def clip_and_step(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
+        """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync).
+        `norm` is `grad_norm()` when the caller has it already."""
+        params = _params(self)
+        norm = self.grad_norm() if norm is None else norm
+        if not self.defaults.get("fused"):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             self.step()
             return norm
-        norm = global_norm(self.gradients())
         self.grad_scale = torch.clamp(norm / max_norm, min=1.0).float()  # the fused kernel divides by it
         try:
             self.step()
         finally:
             self.grad_scale = None
         return norm
+
+    def discard_gradients(self) -> None:
+        self.zero_grad(set_to_none=True)
 
 
 def adamw_update(
@@ -139,13 +151,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
         params = _params(self)
         if fp32 or any("grad_sum" in self.state[p] for p in params):
-            _ensure_grads(params)
+            for p in params:  # a parameter without any gradient gets zeros, so ranks agree
+                if p.grad is None and "grad_sum" not in self.state[p]:
+                    p.grad = torch.zeros_like(p)
             self.accumulate_gradients()
             return [self.state[p]["grad_sum"] for p in params]
         return _ensure_grads(params)
 
-    def clip_and_step(self, max_norm: float) -> Tensor:
-        norm = global_norm(self.gradients())
+    def grad_norm(self) -> Tensor:
+        """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync)."""
+        return global_norm(self.gradients())
+
+    def discard_gradients(self) -> None:
+        """Drop the step's gradients, fp32 sums included (after a step, or instead of a skipped one)."""
+        for p in _params(self):
+            p.grad = None
+            self.state[p].pop("grad_sum", None)
+
+    def clip_and_step(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
+        norm = self.grad_norm() if norm is None else norm
         self._grad_multiplier = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s factor
         try:
             self.step()

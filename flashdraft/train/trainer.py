@@ -1,14 +1,15 @@
 """The DFlash trainer, one process per GPU: target forward (no grad) -> drafter forward/backward -> AdamW.
 
 Reads top to bottom: setup, models, data, placement, optimizer, resume, loop. Paper defaults
-(../shared/reference/dflash.md §3.1): AdamW lr 6e-4, cosine with 4% warm-up, grad clip 1.0, 6 epochs,
-max length 3072, 512 anchors, γ by block size.
+(docs/dflash.md): AdamW lr 6e-4, cosine with 4% warm-up, grad clip 1.0, 6 epochs, max length 3072,
+512 anchors, γ by block size. The safety rules (non-finite steps skipped, checkpoints a stranger can hand
+you, resume refused on changed settings) are in docs/training-safety.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
 import signal
 import threading
 import time
@@ -16,19 +17,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from flashdraft.config import Config, dump_yaml
+from flashdraft.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_LAYERS,
+    Config,
+    dump_yaml,
+    resolve_drafter_fields,
+    to_dict,
+)
 from flashdraft.data.render import tokenizer_fingerprint
 from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.distributed.topology import (
     all_reduce_sum,
-    any_rank,
+    any_rank_flags,
     barrier,
     init_topology,
     shutdown,
     sum_gradients,
 )
+from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.checkpoint import (
     check_against_target,
@@ -41,14 +51,16 @@ from flashdraft.model.checkpoint import (
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, default_gamma
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
-from flashdraft.run_protocol import FAULT_ENV, Heartbeat
-from flashdraft.train.checkpoint import load_trainer_state, resolve_resume, save_checkpoint, set_rng_state
+from flashdraft.run_protocol import Heartbeat
+from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import summarize_acceptance
 from flashdraft.train.optim import make_optimizer
+from flashdraft.train.resume import check_resume_config
 from flashdraft.train.step import Objective
+from flashdraft.train.window import LogWindow
 
 
 def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
@@ -60,66 +72,18 @@ def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> f
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _fault_hook(step: int, rank: int = 0) -> None:
-    """Fault injection for the supervision tests: FLASHDRAFT_FAULT=kill@N | raise@N | hang@N | oom@N, or
-    e.g. raise@N:R for rank R only."""
-    fault = os.environ.get(FAULT_ENV, "")
-    if not fault or "@" not in fault:
-        return
-    what, at = fault.split("@", 1)
-    at, _, only_rank = at.partition(":")
-    if int(at) != step or (only_rank and int(only_rank) != rank):
-        return
-    if what == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if what == "raise":
-        raise RuntimeError(f"injected failure at step {step}")
-    if what == "hang":
-        while True:
-            time.sleep(1)
-    if what == "oom":
-        raise torch.cuda.OutOfMemoryError(
-            f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). GPU 0 has a total capacity of 139.80 GiB"
-        )
-
-
 def target_tokenizer_fingerprint(target: str) -> dict[str, str] | None:
     """Hashes of the target's tokenizer and template, to check prepared shards against (None: no tokenizer)."""
     tokenizer = load_target_tokenizer(target)
     return None if tokenizer is None else tokenizer_fingerprint(tokenizer)
 
 
-def _new_window() -> dict[str, Any]:
-    """Counters of one logging interval."""
-    return {"loss_sum": 0.0, "weight": 0.0, "flops": 0.0, "blocks": 0, "time": 0.0, "stats": None}
-
-
-def _reduce_window(window: dict[str, Any], device: torch.device, topo, block_size: int) -> dict[str, Any]:
-    """Sum a logging window's local counters over ranks (Σw is already global)."""
-    if not topo.distributed:
-        return window
-    if window["stats"] is None:  # this rank had no samples in the window
-        zeros = torch.zeros(block_size - 1, dtype=torch.float64)
-        window["stats"] = {
-            "correct_at": zeros,
-            "supervised_at": zeros.clone(),
-            "accepted_sum": torch.zeros((), dtype=torch.float64),
-            "blocks": torch.zeros((), dtype=torch.float64),
-        }
-    keys = sorted(window["stats"])
-    flat = [
-        window["loss_sum"],
-        float(window["blocks"]),
-        window["flops"],
-        *[float(v) for k in keys for v in window["stats"][k].flatten()],
-    ]
-    flat = all_reduce_sum(flat, device, topo)
-    stats, i = {}, 3
-    for k in keys:
-        n = window["stats"][k].numel()
-        stats[k] = torch.tensor(flat[i : i + n], dtype=torch.float64).view_as(window["stats"][k])
-        i += n
-    return {**window, "loss_sum": flat[0], "blocks": int(flat[1]), "flops": flat[2], "stats": stats}
+def non_finite(losses: list[Tensor], grad_norm: Tensor) -> Tensor:
+    """A device flag: is any loss or the gradient norm nan or inf? (No sync: read with the step's flags.)"""
+    total = grad_norm.float()
+    for loss in losses:
+        total = total + loss.float()  # nan or inf in any term leaves the sum non-finite
+    return ~torch.isfinite(total)
 
 
 def build_drafter(config: Config, target_config) -> DFlashDraftModel:
@@ -131,14 +95,30 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
     mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
     drafter_config = make_drafter_config(
         target_config,
-        num_layers=m.num_layers,
-        block_size=m.block_size,
+        num_layers=m.num_layers if m.num_layers is not None else DEFAULT_NUM_LAYERS,
+        block_size=m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE,
         mask_token_id=mask,
         target_layer_ids=m.target_layer_ids,
     )
     drafter = DFlashDraftModel(drafter_config)
     drafter.init_weights(torch.Generator().manual_seed(config.train.seed))
     return drafter
+
+
+def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
+    """The config as actually trained: the drafter's shape fields and the γ in use (what config.yaml
+    records and a resume compares); model.* values that disagree with model.drafter are an error."""
+    spec = drafter.spec
+    actual = {
+        "num_layers": int(drafter.config.num_hidden_layers),
+        "block_size": spec.block_size,
+        "target_layer_ids": [int(i) for i in spec.target_layer_ids],
+        "mask_token_id": int(spec.mask_token_id),
+    }
+    source = f"{config.model.drafter}/config.json" if config.model.drafter else "new drafter"
+    resolved = resolve_drafter_fields(config, actual, source)
+    gamma = config.train.gamma or default_gamma(spec.block_size)
+    return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, gamma=float(gamma)))
 
 
 @torch.no_grad()
@@ -178,29 +158,45 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     stop = _StopRequest()
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
-    topo, device = init_topology(
-        t.device
-    )  # one process per GPU under torchrun; plain single process otherwise
+    # One process per GPU under torchrun; a plain single process otherwise.
+    topo, device = init_topology(t.device)
+
+    def say(line: str) -> None:  # the main rank speaks for all
+        if topo.is_main:
+            print(line, flush=True)
+
     torch.manual_seed(t.seed)
     out_dir = Path(t.out_dir)
     if not config.model.target:
         raise FlashdraftError(
             "model.target: no target model directory given (set model.target=/path/to/model)"
         )
-    resume_from = resolve_resume(
-        t.resume, out_dir
-    )  # before any work or write: a bad resume setting fails fast
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if topo.is_main:
-        (out_dir / "config.yaml").write_text(dump_yaml(config))
+    if topo.is_main:  # the only writer of checkpoints clears what its dead predecessors left half-written
+        for partial in remove_stale_partials(out_dir):
+            say(f"removed an incomplete checkpoint left by an earlier run: {partial}")
+    # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
+    resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main)
 
     # ------------------------------------------------------------------ target and drafter
     target_config = load_target_config(config.model.target)
     drafter = build_drafter(config, target_config)
     spec: DFlashSpec = drafter.spec
+    config = resolved_config(config, drafter)
+    t = config.train
+    if resume_from is not None:
+        check_resume_config(
+            resume_from.state["config"],
+            resume_from.state["world_size"],
+            to_dict(config),
+            topo.world_size,
+            allow_changes=t.resume_allow_changes,
+            source=str(resume_from.path),
+            log=say,
+        )
+    if topo.is_main:
+        atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device, dtype=target_dtype)
-    gamma = t.gamma or default_gamma(spec.block_size)
 
     # ------------------------------------------------------------------ data
     data_kwargs = {
@@ -212,9 +208,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    sampler = EpochSampler(
-        len(train_data), t.batch_size * topo.world_size, t.seed
-    )  # the global batch; rank r takes r::world
+    # The global batch; rank r takes r::world.
+    sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
 
     # ------------------------------------------------------------------ placement and compile (one place)
     loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
@@ -232,7 +227,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         drafter,
         target,
         num_anchors=t.num_anchors,
-        gamma=gamma,
+        gamma=t.gamma,
         loss=loss_fn,
         attention=placement.attention,
         create_block_mask=placement.create_block_mask,
@@ -250,24 +245,24 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     )
 
     # ------------------------------------------------------------------ resume
-    step, best_tau = 0, -math.inf
+    step, best_tau, skipped = 0, -math.inf, 0
     if resume_from is not None:
-        state = load_trainer_state(resume_from)
-        resumed = load_drafter(resume_from / "drafter", dtype=torch.float32)
-        drafter.load_state_dict(resumed.state_dict())
+        state = resume_from.state
+        drafter.load_state_dict(resume_from.drafter.state_dict())
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as exc:
             raise FlashdraftError(
-                f"train.resume: the optimizer state in {resume_from} does not fit this run "
+                f"train.resume: the optimizer state in {resume_from.path} does not fit this run "
                 f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
             ) from None
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
-        step, best_tau = state["step"], state.get("best_tau", -math.inf)
-        if topo.is_main:
-            print(f"resumed from {resume_from} at step {step}", flush=True)
+        step, best_tau, skipped = state["step"], state["best_tau"], state["skipped_steps"]
+        say(f"resumed from {resume_from.path} at step {step}")
+        del state
+        resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
 
     def trainer_state() -> dict[str, Any]:
         return {
@@ -277,19 +272,21 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "sampler": sampler.state_dict(),
             "best_tau": best_tau,
             "total_steps": total_steps,
+            "skipped_steps": skipped,
+            "config": to_dict(config),
+            "world_size": topo.world_size,
         }
 
     # ------------------------------------------------------------------ loop
-    logger = MetricsLogger(out_dir, total_steps) if topo.is_main else None
+    logger = MetricsLogger(out_dir, total_steps, start_step=step) if topo.is_main else None
     peak = peak_tflops(device)
-    if topo.is_main:
-        print(
-            f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
-            f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
-            f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps",
-            flush=True,
-        )
-    window = _new_window()
+    say(
+        f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
+        f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
+        f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps"
+    )
+    window = LogWindow(spec.block_size)
+    bad_in_a_row = 0
     drafter.train()
     heartbeat.beat(
         "compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps
@@ -305,67 +302,87 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
                 batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
                 blocks = objective.blocks(batch)
-                window["blocks"] += int(blocks.keep.sum())
-                window["flops"] += step_flops(
-                    drafter.config,
-                    drafter.layer_kinds(),
-                    blocks,
-                    int(batch.lengths.sum()),
-                    int((blocks.weights > 0).sum()),
-                    target.vocab_size,
-                ).total
+                window.add_work(
+                    int(blocks.keep.sum()),
+                    step_flops(
+                        drafter.config,
+                        drafter.layer_kinds(),
+                        blocks,
+                        int(batch.lengths.sum()),
+                        int((blocks.weights > 0).sum()),
+                        target.vocab_size,
+                    ).total,
+                )
                 micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum())))
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w in micro)], device, topo)
+        losses, stats = [], []
         for i, (batch, blocks, _) in enumerate(micro):
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
             if i < len(micro) - 1:
                 optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
-            window["loss_sum"] = window["loss_sum"] + out.loss_sum.detach()
-            window["stats"] = (
-                out.stats
-                if window["stats"] is None
-                else {k: window["stats"][k] + v for k, v in out.stats.items()}
-            )
-        window["weight"] += total_weight
+            losses.append(out.loss_sum.detach())
+            stats.append(out.stats)
         sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
-        grad_norm = optimizer.clip_and_step(t.grad_clip)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer.grad_norm()
+        # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
+        # skips the step on every rank, and a stop request on any rank stops every rank after it.
+        bad, stopping = any_rank_flags([non_finite(losses, grad_norm), stop.requested], device, topo)
         step += 1
+        if bad:
+            optimizer.discard_gradients()  # no weight, moment or schedule update
+            skipped += 1
+            bad_in_a_row += 1
+            loss_now = float(sum(losses)) if losses else math.nan
+            say(
+                f"step {step}: non-finite loss {loss_now} or gradient norm {float(grad_norm)} on some rank; "
+                f"step skipped ({bad_in_a_row} in a row, {skipped} in all)"
+            )
+            heartbeat.beat(step=step, skipped_steps=skipped, force=True)
+            if bad_in_a_row >= t.max_bad_steps:
+                raise FlashdraftError(
+                    f"step {step}: {bad_in_a_row} steps in a row had a non-finite loss or gradient norm "
+                    f"(train.max_bad_steps={t.max_bad_steps}; last: loss {loss_now}, grad norm {float(grad_norm)}); "
+                    f"they were skipped and no checkpoint of this state is written. Likely causes: train.lr="
+                    f"{t.lr} too high, or bad samples in data.train; lower the lr or fix the data, then resume "
+                    "from the last checkpoint with train.resume=auto"
+                )
+        else:
+            optimizer.clip_and_step(t.grad_clip, grad_norm)
+            scheduler.step()
+            optimizer.discard_gradients()
+            bad_in_a_row = 0
+            window.add_step(losses, stats, total_weight)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        window["time"] += time.perf_counter() - started
+        window.seconds += time.perf_counter() - started
 
         heartbeat.beat(
             "training",
             step=step,
             epoch=sampler.epoch,
+            skipped_steps=skipped,
             step_seconds=round(time.perf_counter() - started, 4),
             max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             if device.type == "cuda"
             else None,
         )
         if step % t.log_every == 0 or step == total_steps:
-            seconds = max(window["time"], 1e-9)
-            window["loss_sum"] = float(window["loss_sum"])
-            window = _reduce_window(window, device, topo, spec.block_size)
+            window.all_reduce(device, topo)
             metrics = {
-                "loss": window["loss_sum"] / max(window["weight"], 1e-9),
-                **summarize_acceptance(window["stats"]),
+                **window.metrics(),
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm),
                 "epoch": sampler.epoch,
-                "block_tok_s": window["blocks"] * spec.block_size / seconds,
-                "tflops": window["flops"] / seconds / 1e12,
+                "skipped_steps": skipped,
             }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
             if logger is not None:
                 logger.log(step, metrics)
             heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
-            window = _new_window()
+            window = LogWindow(spec.block_size)
         if (
             topo.is_main
             and eval_data is not None
@@ -379,18 +396,22 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
                 best_tau = result["tau"]
                 save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
-        stopping = any_rank(stop.requested, device, topo)  # every rank leaves the loop at the same step
         if topo.is_main and (step % t.save_every == 0 or step == total_steps or stopping):
             heartbeat.beat("checkpointing")
             path = save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
             heartbeat.beat("training", checkpoint=str(path))
         if stopping:
             outcome = "stopped"
-            print(f"stopped at step {step}; resume with train.resume=auto", flush=True)
+            say(f"stopped at step {step}; resume with train.resume=auto")
             break
-        _fault_hook(step, topo.rank)
     if logger is not None:
         logger.close()
     barrier(topo)
     shutdown(topo)
-    return {"steps": step, "out_dir": str(out_dir), "best_tau": best_tau, "outcome": outcome}
+    return {
+        "steps": step,
+        "out_dir": str(out_dir),
+        "best_tau": best_tau,
+        "outcome": outcome,
+        "skipped_steps": skipped,
+    }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,24 @@ from safetensors.torch import load_file
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
+from flashdraft.train import trainer
 from flashdraft.train.checkpoint import list_checkpoints
 from flashdraft.train.trainer import lr_lambda, train
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def crash_after_checkpoint(monkeypatch, step: int) -> None:
+    """An exception right after the step-`step` checkpoint is written (a crash, in-process)."""
+    real_save = trainer.save_checkpoint
+
+    def save_then_raise(out_dir, at, *args, **kwargs):
+        path = real_save(out_dir, at, *args, **kwargs)
+        if at == step:
+            raise RuntimeError(f"injected failure at step {at}")
+        return path
+
+    monkeypatch.setattr(trainer, "save_checkpoint", save_then_raise)
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +73,30 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def test_resume_after_sigkill_is_exact(tmp_path, qwen3_target, train_file):
+def test_resume_after_sigkill_is_exact_and_logs_each_step_once(tmp_path, qwen3_target, train_file):
     straight = tmp_path / "straight"
     train(load_config(None, _overrides(qwen3_target, train_file, straight)))
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "flashdraft", "train", *_overrides(qwen3_target, train_file, killed)]
+    args = ["train", *_overrides(qwen3_target, train_file, killed)]
     proc = subprocess.run(
-        cmd, env={**os.environ, "FLASHDRAFT_FAULT": "kill@4"}, capture_output=True, text=True
+        [sys.executable, "-m", "tests.train.inject", "kill-after-log@6", "--", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [p.name for p in list_checkpoints(killed)] == ["step-00000004"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)  # train.resume=auto picks up step 4
+    # train.resume=auto picks up step 4 and replays steps 5 and 6, whose rows the killed run had logged
+    proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout
 
     a, b = _losses(straight), _losses(killed)
     assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
     assert all(a[s] == b[s] for s in range(1, 9)), (a, b)
+    logged = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 9)), logged
 
 
 def test_gradient_accumulation_equals_large_batch(tmp_path, qwen3_target, train_file):
@@ -196,11 +217,11 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
     straight = tmp_path / "straight"
     train(load_config(None, _overrides(qwen3_target, train_file, straight, **bf16)))
     crashed = tmp_path / "crashed"
-    monkeypatch.setenv("FLASHDRAFT_FAULT", "raise@4")
-    with pytest.raises(RuntimeError, match="injected failure at step 4"):
-        train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
-    monkeypatch.delenv("FLASHDRAFT_FAULT")
-    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
+    with monkeypatch.context() as patch:
+        crash_after_checkpoint(patch, 4)
+        with pytest.raises(RuntimeError, match="injected failure at step 4"):
+            train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
+    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=True)
     assert all(s["master"].dtype == torch.float32 for s in state["optimizer"]["state"])
     # the drafter copy is in the weights' dtype (bf16): the fp32 masters are in the optimizer state
     assert {
@@ -218,7 +239,7 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
 def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwen3_target, train_file):
     """resume=never into an out_dir with checkpoints would interleave two runs' step directories (and a later
     resume=auto could pick the older run's last step): refused before any work, naming the way out."""
-    from flashdraft.train.checkpoint import resolve_resume
+    from flashdraft.train.checkpoint import find_resume
 
     out = tmp_path / "run"
     train(
@@ -233,7 +254,7 @@ def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwe
             )
         )
     assert "lr: 1.0" not in (out / "config.yaml").read_text()  # the earlier run's files are untouched
-    assert resolve_resume("auto", out) == out / "checkpoints" / "step-00000002"
+    assert find_resume("auto", out).path == out / "checkpoints" / "step-00000002"
 
 
 def test_resume_with_another_precision_names_the_checkpoint(tmp_path, qwen3_target, train_file):
@@ -249,5 +270,9 @@ def test_resume_with_another_precision_names_the_checkpoint(tmp_path, qwen3_targ
             ),
         )
     )
-    with pytest.raises(FlashdraftError, match=r"optimizer state in .*step-00000002 does not fit this run"):
+    # The recorded config shows the change first; allowed, the optimizer state itself does not fit.
+    with pytest.raises(FlashdraftError, match=r"train.dtype 'bf16' -> 'auto'"):
         train(load_config(None, _overrides(qwen3_target, train_file, out, **{"train.max_steps": 4})))
+    allowed = {"train.max_steps": 4, "train.resume_allow_changes": "true"}
+    with pytest.raises(FlashdraftError, match=r"optimizer state in .*step-00000002 does not fit this run"):
+        train(load_config(None, _overrides(qwen3_target, train_file, out, **allowed)))

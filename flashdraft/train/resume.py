@@ -1,0 +1,92 @@
+"""Whether a checkpoint may be continued with this run's settings (docs/training-safety.md).
+
+A checkpoint records the resolved config and the world size of the run that wrote it. Resuming with
+settings that change the trajectory (learning rate, anchors, γ, batch size, world size, data...) would
+silently continue another run, so it is refused with the list of differences, unless
+`train.resume_allow_changes` says it is meant. Settings that only change how the run is watched or
+executed are exempt, and `train.max_steps` / `train.epochs` may grow: a longer run (its cosine schedule
+then stretches over the new total from the resumed step on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flashdraft.errors import FlashdraftError
+
+# Keys that do not change what is computed: logging, checkpoint cadence, evaluation, placement, paths.
+EXEMPT = frozenset(
+    {
+        "model.drafter",  # the warm-start source: after a resume the weights come from the checkpoint
+        "data.eval",
+        "train.out_dir",
+        "train.resume",
+        "train.resume_allow_changes",
+        "train.max_bad_steps",
+        "train.log_every",
+        "train.save_every",
+        "train.eval_every",
+        "train.keep_last",
+        "train.device",
+        "train.compile",
+        "train.activation_checkpointing",
+        "train.loss_chunk",
+    }
+)
+# Keys that may grow: the run goes on longer. 0 means "no step limit" for max_steps.
+MAY_GROW = ("train.max_steps", "train.epochs")
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _grows(key: str, old: Any, new: Any) -> bool:
+    if key == "train.max_steps":
+        return old != 0 and (new == 0 or new > old)
+    return new > old
+
+
+def check_resume_config(
+    saved: dict[str, Any],
+    saved_world_size: int,
+    config: dict[str, Any],
+    world_size: int,
+    *,
+    allow_changes: bool,
+    source: str,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Refuse to continue `source` when a trajectory-changing setting differs, listing each `key old -> new`."""
+    old, new = flatten(saved), flatten(config)
+    changes, longer = [], []
+    for key in sorted(set(old) | set(new)):
+        if key in EXEMPT or old.get(key) == new.get(key):
+            continue
+        if key in MAY_GROW and _grows(key, old.get(key), new.get(key)):
+            longer.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
+            continue
+        changes.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
+    if saved_world_size != world_size:
+        changes.append(f"world size {saved_world_size} -> {world_size}")
+    if longer:
+        log(f"resume: a longer run ({'; '.join(longer)}): the schedule now spans the new total")
+    if not changes:
+        return
+    if allow_changes:
+        log(
+            f"resume: continuing {source} with changed settings (train.resume_allow_changes): {'; '.join(changes)}"
+        )
+        return
+    raise FlashdraftError(
+        f"train.resume: {source} was trained with other settings: {'; '.join(changes)}; resuming would continue "
+        "another trajectory. Restore them, start over in another train.out_dir, or set "
+        "train.resume_allow_changes=true if the change is meant"
+    )
