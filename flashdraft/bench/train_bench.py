@@ -101,15 +101,14 @@ def run_shape(
     with torch.device("cuda"):
         drafter = DFlashDraftModel(config)
     drafter.init_weights()
-    loss_fn = WeightedHeadLoss(chunk=loss_chunk)
     placement = parallelize(
         drafter,
-        loss_fn,
         device=torch.device("cuda"),
         attention="flex" if compile else "sdpa",
         compile=compile,
         master_weights=master_weights,
     )
+    loss_fn = WeightedHeadLoss(chunk=loss_chunk, compile=placement.compiled)
     objective = Objective(
         drafter,
         target,
@@ -121,7 +120,7 @@ def run_shape(
         autocast_dtype=placement.autocast_dtype,
     )
     optimizer = make_optimizer(
-        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, update=placement.optimizer_update
+        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()

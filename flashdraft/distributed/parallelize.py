@@ -1,12 +1,13 @@
-"""The one place that decides device placement, precision, compilation and activation checkpointing.
+"""The one place that decides the drafter's device placement, precision, compilation and activation
+checkpointing; it knows the model and the run's settings, nothing of the trainer.
 
 Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
 parameter precision (bf16 weights with fp32 master weights in the optimizer, or fp32 weights under
-bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph),
-the compiled fused-loss chunk, the compiled optimizer update, and the compiled BlockMask builder.
-Compilation happens on the calling (main) thread of a process that owns one GPU: torch.compile is not
-thread-safe, and a racing or failed compile must never fall back silently to dense attention
-(../shared/reference/supervision.md §0, §1).
+bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph)
+and the compiled BlockMask builder, under compile settings that make every silent degradation an
+error. `Placement.compiled` tells the loss and the optimizer to compile their own kernels. Compilation
+happens on the calling (main) thread of a process that owns one GPU: torch.compile is not thread-safe,
+and a racing or failed compile must never fall back silently to dense attention (docs/processes.md).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from torch.utils.checkpoint import checkpoint
 
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.train.loss import WeightedHeadLoss, chunk_loss_and_grad
-from flashdraft.train.optim import adamw_update
 
 # Dynamo counts compiles per code object, and all drafter layers share DrafterLayer.forward: each layer
 # may compile for training and for evaluation, with a static then a dynamic sequence length. More than
@@ -38,7 +37,6 @@ class Placement:
     autocast_dtype: torch.dtype | None
     param_dtype: torch.dtype  # the drafter's weights; below fp32, the optimizer keeps fp32 master weights
     create_block_mask: Callable | None
-    optimizer_update: Callable  # train.optim.adamw_update, compiled on GPU
     pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
 
 
@@ -52,7 +50,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def guard_compile(num_layers: int) -> None:
-    """Make every silent compile degradation loud (supervision.md §1.5-1.7)."""
+    """Make every silent compile degradation loud (docs/processes.md)."""
     cfg = torch._dynamo.config
     cfg.recompile_limit = RECOMPILES_PER_LAYER * max(1, num_layers)
     cfg.fail_on_recompile_limit_hit = True
@@ -64,7 +62,6 @@ def guard_compile(num_layers: int) -> None:
 
 def parallelize(
     drafter: DFlashDraftModel,
-    loss: WeightedHeadLoss,
     *,
     device: torch.device,
     attention: str = "auto",
@@ -97,14 +94,10 @@ def parallelize(
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     create_block_mask = None
-    optimizer_update = adamw_update
     if compile:
         guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
-        loss.chunk_fn = torch.compile(chunk_loss_and_grad, fullgraph=True)
-        # One fused kernel per tensor; dynamic shapes: one compile serves every parameter's size.
-        optimizer_update = torch.compile(adamw_update, fullgraph=True, dynamic=True)
     if attention == "flex":
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 
@@ -116,6 +109,5 @@ def parallelize(
         autocast_dtype,
         param_dtype,
         create_block_mask,
-        optimizer_update,
         pad_multiple=256 if compile else 1,
     )

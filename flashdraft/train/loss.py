@@ -59,12 +59,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 class WeightedHeadLoss:
-    """Σ w·CE over the selected rows through a frozen head; `chunk_fn` is swapped for a compiled one on GPU."""
+    """Σ w·CE over the selected rows through a frozen head. `compile=True` (on GPU) compiles the chunk
+    function once, fullgraph: the loss owns its kernels, as the drafter's layers are compiled by
+    `distributed/parallelize.py` and the optimizer's update by `train/optim.py`."""
 
-    def __init__(self, chunk: int = 1024, multiplier: float = 1.0, chunk_fn: Callable = chunk_loss_and_grad):
+    def __init__(self, chunk: int = 1024, multiplier: float = 1.0, *, compile: bool = False):
         self.chunk = chunk
         self.multiplier = multiplier
-        self.chunk_fn = chunk_fn
+        self.chunk_fn: Callable = (
+            torch.compile(chunk_loss_and_grad, fullgraph=True) if compile else chunk_loss_and_grad
+        )
 
     def __call__(
         self, hidden: Tensor, head_weight: Tensor, labels: Tensor, row_weights: Tensor

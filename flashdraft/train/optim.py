@@ -110,7 +110,7 @@ def adamw_update(
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums.
 
-    `update` is `adamw_update` or a compiled version of it (distributed/parallelize.py decides).
+    `update` is `adamw_update` or a compiled version of it (`make_optimizer` decides).
     """
 
     def __init__(
@@ -247,8 +247,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.steps = state_dict["steps"]
 
 
-def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, update: Callable = adamw_update):
-    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW."""
+def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, compile: bool = False):
+    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW,
+    whose per-tensor update is compiled with `compile` (one fused kernel per tensor; dynamic shapes, so one
+    compile serves every parameter's size)."""
     if all(p.dtype == torch.float32 for p in params):
         return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=params[0].device.type == "cuda")
+    update = torch.compile(adamw_update, fullgraph=True, dynamic=True) if compile else adamw_update
     return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)

@@ -212,16 +212,17 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
 
     # ------------------------------------------------------------------ placement and compile (one place)
-    loss_fn = WeightedHeadLoss(chunk=t.loss_chunk, multiplier=spec.output_multiplier)
     placement = parallelize(
         drafter,
-        loss_fn,
         device=device,
         attention=t.attention,
         compile=t.compile,
         activation_checkpointing=t.activation_checkpointing,
         dtype=t.dtype,
         master_weights=t.master_weights,
+    )
+    loss_fn = WeightedHeadLoss(
+        chunk=t.loss_chunk, multiplier=spec.output_multiplier, compile=placement.compiled
     )
     objective = Objective(
         drafter,
@@ -238,7 +239,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
     total_steps = t.max_steps or t.epochs * steps_per_epoch
     optimizer = make_optimizer(
-        list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, update=placement.optimizer_update
+        list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio)

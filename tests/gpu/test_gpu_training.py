@@ -45,10 +45,10 @@ def test_compiled_flex_equals_sdpa_loss_and_grads(qwen3_target, sliding):
     flex_drafter = copy.deepcopy(drafter)
     results = []
     for model, attention in ((drafter, "sdpa"), (flex_drafter, "flex")):
-        loss_fn = WeightedHeadLoss(chunk=64)
         placement = parallelize(
-            model, loss_fn, device=CUDA, attention=attention, compile=attention == "flex", dtype="fp32"
+            model, device=CUDA, attention=attention, compile=attention == "flex", dtype="fp32"
         )
+        loss_fn = WeightedHeadLoss(chunk=64, compile=placement.compiled)
         objective = Objective(
             model,
             target,
@@ -98,8 +98,8 @@ def test_eager_flex_attention_is_an_error(qwen3_target):
 
 def test_recompile_storm_is_an_error_not_a_fallback(qwen3_target):
     drafter, target = _pair_on_gpu(qwen3_target)
-    loss_fn = WeightedHeadLoss(chunk=64)
-    placement = parallelize(drafter, loss_fn, device=CUDA, attention="flex", compile=True)
+    placement = parallelize(drafter, device=CUDA, attention="flex", compile=True)
+    loss_fn = WeightedHeadLoss(chunk=64, compile=placement.compiled)
     objective = Objective(
         drafter,
         target,
