@@ -106,7 +106,7 @@ def check_manifest(directory: Path, fingerprint: dict[str, str] | None, target: 
         warn(f"{directory} has no flashdraft manifest")
         return
     if fingerprint is None:
-        warn(f"{directory}: the target {target} ships no tokenizer files to compare the manifest's with")
+        warn(f"{directory}: no tokenizer files next to {target} to compare its manifest with")
         return
     if manifest.get("tokenizer_sha256") != fingerprint.get("tokenizer_sha256"):
         raise FlashdraftError(
