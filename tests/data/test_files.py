@@ -311,3 +311,16 @@ def test_rerun_with_other_input_or_settings_never_reuses_a_stale_answer(tmp_path
     assert len(_Echo.seen) == 2
     assert main([*_prepare([data], target, out), *regen, "--temperature", "0.5"]) == 0  # other settings
     assert len(_Echo.seen) == 3 and _Echo.seen[-1]["temperature"] == 0.5
+
+
+def test_skip_bad_records_also_skips_conversations_that_cannot_be_rendered(tmp_path, target, capsys):
+    starts_with_answer = {
+        "messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "ok"}]
+    }
+    data = _write(tmp_path / "in.jsonl", [PAIR, starts_with_answer])
+    assert "line 2: the conversation starts with an assistant turn" in _one_line_error(
+        capsys, _prepare([data], target, tmp_path / "s")
+    )
+    assert main([*_prepare([data], target, tmp_path / "s"), "--skip-bad-records"]) == 0
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["dropped"] == {"bad record": 1} and manifest["samples"] == 1
