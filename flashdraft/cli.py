@@ -5,8 +5,55 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from flashdraft.errors import FlashdraftError
+
+
+def _number(kind: type, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def block_size(text: str) -> int:
+    value = _number(int, text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 (a block holds an anchor and drafts), got {text}"
+        )
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -20,6 +67,12 @@ def cmd_init(args: argparse.Namespace) -> int:
     from flashdraft.model.checkpoint import init_drafter
 
     layer_types = None
+    if args.sliding_layers is not None and args.sliding_window is None:
+        raise FlashdraftError("--sliding-layers needs --sliding-window (the window those layers use)")
+    if args.sliding_layers is not None and args.sliding_layers > args.num_layers:
+        raise FlashdraftError(
+            f"--sliding-layers {args.sliding_layers} is more than --num-layers {args.num_layers}"
+        )
     if args.sliding_window is not None:
         n_sliding = args.num_layers - 1 if args.sliding_layers is None else args.sliding_layers
         layer_types = ["sliding_attention"] * n_sliding + ["full_attention"] * (args.num_layers - n_sliding)
@@ -33,6 +86,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         layer_types=layer_types,
         sliding_window=args.sliding_window,
         seed=args.seed,
+        force=args.force,
     )
     from flashdraft.model.checkpoint import read_config
     from flashdraft.model.spec import DFlashSpec
@@ -74,6 +128,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         limit=args.limit,
         chunk=args.chunk,
         skip_bad_records=args.skip_bad_records,
+        force=args.force,
         sampling=Sampling(
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
@@ -108,12 +163,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device=args.device,
         out=args.out,
         plot_path=args.plot,
+        force=args.force,
     )
     return 0
 
 
 def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    if config is not None and "=" in config:  # no file given: the first word is already an override
+    # No file given: the first word is already an override. A word that names an existing file is the
+    # config, even with an '=' in its path.
+    if config is not None and "=" in config and not Path(config).is_file():
         return None, [config, *overrides]
     return config, list(overrides)
 
@@ -205,6 +263,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise FlashdraftError(f"unknown benchmark {args.what!r}")
 
 
+FORCE_HELP = "replace an existing non-empty --out (never the target or an input)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="create a new drafter directory for a target")
     p.add_argument("--target", required=True, help="local Hugging Face model directory of the target")
     p.add_argument("--out", required=True, help="drafter directory to write")
-    p.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (paper: 5)")
-    p.add_argument("--block-size", type=int, default=16, help="block size B (paper: 16 for Qwen3)")
+    p.add_argument("--num-layers", type=positive_int, default=5, help="drafter decoder layers (paper: 5)")
+    p.add_argument("--block-size", type=block_size, default=16, help="block size B (paper: 16 for Qwen3)")
     p.add_argument(
         "--target-layer-ids",
         type=_int_list,
@@ -226,18 +287,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 1,9,17,25,33 (default: the paper's rule)",
     )
     p.add_argument(
-        "--mask-token-id", type=int, default=None, help="mask token id (default: from the tokenizer)"
+        "--mask-token-id",
+        type=non_negative_int,
+        default=None,
+        help="mask token id (default: from the tokenizer)",
     )
     p.add_argument(
-        "--sliding-window", type=int, default=None, help="make the first layers sliding-window layers"
+        "--sliding-window",
+        type=positive_int,
+        default=None,
+        help="make the first layers sliding-window layers",
     )
     p.add_argument(
         "--sliding-layers",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="how many leading layers slide (default: all but the last)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser(
@@ -246,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", help="JSONL / JSON / Parquet files or datasets save_to_disk folders")
     p.add_argument("--target", required=True, help="target model directory (its tokenizer and chat template)")
     p.add_argument("--out", required=True, help="output shard directory")
-    p.add_argument("--max-length", type=int, default=3072, help="drop samples longer than this")
+    p.add_argument("--max-length", type=positive_int, default=3072, help="drop samples longer than this")
     p.add_argument(
         "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
     )
@@ -257,20 +325,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--server-url", default=None, help="OpenAI-compatible server (SGLang, vLLM) to regenerate with"
     )
     p.add_argument("--server-model", default=None, help="model name to send to the server")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight to the server")
-    p.add_argument("--batch-size", type=int, default=64, help="batch size of in-process generation")
-    p.add_argument("--chunk", type=int, default=256, help="conversations per journaled regeneration chunk")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight to the server")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="batch size of in-process generation")
+    p.add_argument(
+        "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=2048)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=0, help="use only the first N conversations")
+    p.add_argument(
+        "--limit", type=non_negative_int, default=0, help="use only the first N conversations (0: all)"
+    )
     p.add_argument(
         "--skip-bad-records",
         action="store_true",
         help="skip malformed or invalid records (each reported with file and line) instead of stopping",
     )
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("train", help="train a drafter: flashdraft train CONFIG [key=value ...]")
@@ -340,21 +413,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts", required=True, help="JSONL of messages / conversations / prompt / input_ids records"
     )
-    p.add_argument("--block-size", type=int, default=None, help="verify block size (default: the drafter's)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument(
+        "--block-size", type=positive_int, default=None, help="verify block size (default: the drafter's)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0)
     p.add_argument(
         "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
     )
     p.add_argument("--check-lossless", action="store_true", help="also report where greedy outputs diverge")
-    p.add_argument("--max-prompts", type=int, default=0)
+    p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N (0: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None, help="write the report as JSON")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--out", default=None, help="write the report as JSON (a file path)")
     p.add_argument(
         "--plot", default=None, help="write a PNG of per-position acceptance and the length histogram"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="overwrite --out / --plot files flashdraft did not write"
     )
     p.set_defaults(func=cmd_eval)
 

@@ -1,16 +1,15 @@
 """Conversations in the common dataset shapes, normalised to OpenAI-style messages.
 
-Shapes: OpenAI `messages` ({role, content}), ShareGPT `conversations` ({from, value}), prompt/response
-pairs, and pre-tokenized `input_ids`. Errors name the file and line.
+Shapes: OpenAI `messages` ({role, content}), ShareGPT `conversations` ({from, value}), {prompt, response}
+and {prompt, completion} pairs, and pre-tokenized `input_ids`. Errors name the file and line.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
+from flashdraft.data.render import apply_chat_template
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -26,6 +25,7 @@ _SHAREGPT_ROLES = {
     "tool": "tool",
 }
 ROLES = ("system", "user", "assistant", "tool")
+_ANSWER_KEYS = ("response", "completion")  # the answer of a {prompt, ...} record
 
 
 @dataclass
@@ -41,8 +41,13 @@ _TURN_LISTS = {"messages": ("role", "content", None), "conversations": ("from", 
 
 def _turns(raw, shape: str, where: str) -> list[dict[str, str]]:
     role_key, content_key, role_map = _TURN_LISTS[shape]
+    if not isinstance(raw, list):
+        raise FlashdraftError(
+            f"{where}: '{shape}' must be a list of {{{role_key}, {content_key}}} objects, "
+            f"found {_json_type(raw)}"
+        )
     messages = []
-    for i, m in enumerate(raw if isinstance(raw, list) else []):
+    for i, m in enumerate(raw):
         if not isinstance(m, dict) or role_key not in m or content_key not in m:
             raise FlashdraftError(f"{where}: {shape}[{i}] needs '{role_key}' and '{content_key}'")
         role = m[role_key] if role_map is None else role_map.get(str(m[role_key]).lower())
@@ -50,6 +55,11 @@ def _turns(raw, shape: str, where: str) -> list[dict[str, str]]:
             raise FlashdraftError(f"{where}: {shape}[{i}] has unknown role {m[role_key]!r}")
         messages.append({"role": role, "content": m[content_key]})
     return messages
+
+
+def _json_type(value) -> str:
+    names = {str: "a string", dict: "an object", list: "a list", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
 
 
 def parse_json_object(line: str, where: str) -> dict:
@@ -73,10 +83,17 @@ def normalise(record: dict, where: str) -> Conversation:
         messages = _turns(record[shape], shape, where)
     elif "prompt" in record:
         messages = [{"role": "user", "content": record["prompt"]}]
-        if record.get("response") is not None:
-            messages.append({"role": "assistant", "content": record["response"]})
+        answer_keys = [k for k in _ANSWER_KEYS if record.get(k) is not None]
+        if len(answer_keys) > 1:
+            raise FlashdraftError(f"{where}: both {' and '.join(map(repr, answer_keys))}; give one answer")
+        if answer_keys:
+            messages.append({"role": "assistant", "content": record[answer_keys[0]]})
     else:
-        raise FlashdraftError(f"{where}: expected 'messages', 'conversations', 'prompt' or 'input_ids'")
+        keys = ", ".join(map(repr, list(record)[:6])) or "none"
+        raise FlashdraftError(
+            f"{where}: expected 'messages', 'conversations', 'prompt' (with 'response' or 'completion') "
+            f"or 'input_ids'; found keys {keys}"
+        )
     if not messages:
         raise FlashdraftError(f"{where}: empty conversation")
     for i, m in enumerate(messages):
@@ -85,38 +102,10 @@ def normalise(record: dict, where: str) -> Conversation:
                 f"{where}: message {i} has unknown role {m['role']!r} (expected one of {', '.join(ROLES)})"
             )
         if not isinstance(m["content"], str):
-            raise FlashdraftError(f"{where}: message {i} content must be a string")
+            raise FlashdraftError(
+                f"{where}: message {i} content must be a string, found {_json_type(m['content'])}"
+            )
     return Conversation(messages, None, where)
-
-
-def read_records(
-    path: str | Path, on_error: Callable[[FlashdraftError], None] | None = None
-) -> list[tuple[dict, str]]:
-    """(record, 'file line N') from a JSONL file, or from a JSON file holding a list. A malformed line is an
-    error naming file and line, or, with `on_error`, reported to it and skipped (the other lines are kept)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FlashdraftError(f"{path}: no such file")
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FlashdraftError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
-        if not isinstance(data, list):
-            raise FlashdraftError(f"{path}: expected a JSON list of records")
-        return [(r, f"{path} item {i}") for i, r in enumerate(data)]
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append((parse_json_object(line, f"{path} line {number}"), f"{path} line {number}"))
-        except FlashdraftError as exc:
-            if on_error is None:
-                raise
-            on_error(exc)
-    return records
 
 
 def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
@@ -135,8 +124,7 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
         )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
-    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    ids = apply_chat_template(tokenizer, messages, thinking, conversation.where, add_generation_prompt=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -1,7 +1,13 @@
-"""`flashdraft prepare`: chat datasets -> (optionally target-regenerated) -> tokenized shards with masks."""
+"""`flashdraft prepare`: chat datasets -> (optionally target-regenerated) -> tokenized shards with masks.
+
+The output is checked before any work (docs/inputs-and-outputs.md): it must be absent, empty, a shard
+directory `prepare` made (replaced as a whole once the new set is complete), or the user passes --force;
+it may never be, hold, or lie inside the target or an input."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -12,12 +18,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.data.chat import normalise
-from flashdraft.data.regenerate import LocalEngine, Sampling, ServerEngine, regenerate
-from flashdraft.data.render import render_conversation, tokenizer_fingerprint
-from flashdraft.data.shards import write_shards
+from flashdraft.data.regenerate import LocalEngine, Sampling, ServerEngine, journal_key, regenerate
+from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
+from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
+from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.target import load_target_tokenizer
+from flashdraft.outputs import check_output_dir
 
 
 @dataclass
@@ -34,6 +42,29 @@ class PrepareSettings:
     chunk: int = 256
     skip_bad_records: bool = False
     sampling: Sampling | None = None
+    force: bool = False  # replace an --out that flashdraft prepare did not make
+
+
+def target_identity(target: str | Path) -> dict[str, Any]:
+    """What identifies the target's weights cheaply: its real path, config and weight files' sizes and
+    modification times (hashing gigabytes of weights on every run would be too slow)."""
+    path = Path(target).resolve()
+    config = path / "config.json"
+    weights = sorted(
+        (p.name, p.stat().st_size, int(p.stat().st_mtime))
+        for p in path.glob("*")
+        if p.suffix in (".safetensors", ".bin") and p.is_file()
+    )
+    return {
+        "path": str(path),
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+        "weights": weights,
+    }
+
+
+def _write_failed(exc: OSError, where: Path, what: str) -> FlashdraftError:
+    reason = disk_full_reason(exc, where) or exc.strerror or str(exc)
+    return FlashdraftError(f"--out {where}: {what} failed: {reason}; the previous shard set is unchanged")
 
 
 def prepare(
@@ -45,34 +76,50 @@ def prepare(
     command: str | None = None,
 ) -> dict[str, Any]:
     console = console or Console()
-    tokenizer = load_target_tokenizer(target, required=True)
     out_dir = Path(out)
+    # Everything about the output is checked before the tokenizer loads and before any regeneration.
+    protected = {"--target": target, **{f"input {p}": p for p in inputs}}
+    check_output_dir(out_dir, "--out", force=settings.force, inputs=protected, ours=not_a_shard_dir)
+    tokenizer = load_target_tokenizer(target, required=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
     dropped: Counter[str] = Counter()
     bad_records: list[str] = []
 
     def skip(exc: FlashdraftError) -> None:  # --skip-bad-records: report, count, carry on
         dropped["bad record"] += 1
         bad_records.append(str(exc))
-        console.print(f"[yellow]skipped[/] {exc}")
+        console.print(f"[yellow]skipped[/] {exc}", highlight=False, markup=True)
 
-    on_error = skip if settings.skip_bad_records else None
-    conversations = []
-    for record, where in iter_records(inputs, on_error):
+    def bad(exc: FlashdraftError) -> None:
+        if not settings.skip_bad_records:
+            raise exc
+        skip(exc)
+
+    def unreadable(exc: FlashdraftError) -> None:
+        nonlocal records_read
+        records_read += 1
+        skip(exc)
+
+    conversations, records_read = [], 0
+    for record, where in iter_records(inputs, unreadable if settings.skip_bad_records else None):
         if settings.limit and len(conversations) >= settings.limit:
             break
+        records_read += 1
         try:
             conv = normalise(record, where)
+            if conv.messages is None:
+                raise FlashdraftError(
+                    f"{where}: pre-tokenized records cannot be rendered; give conversations"
+                )
+            check_renders(tokenizer, conv.messages, settings.thinking, where)
         except FlashdraftError as exc:
-            if on_error is None:
-                raise
-            on_error(exc)
+            bad(exc)
             continue
-        if conv.messages is None:
-            raise FlashdraftError(f"{where}: pre-tokenized records cannot be rendered; give conversations")
         if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
             dropped["no assistant turn"] += 1
             continue
-        conversations.append((len(conversations), conv.messages, where))
+        conversations.append((conv.messages, where))
 
     sampling_record = None
     if settings.regenerate:
@@ -86,24 +133,44 @@ def prepare(
 
             model = TargetModel.load(target, [0]).model
             engine = LocalEngine(model, tokenizer, sampling, settings.thinking, settings.batch_size)
-        # a conversation with only a prompt gets its answer generated too
-        items = [
-            (i, m if any(x["role"] == "assistant" for x in m) else [*m, {"role": "assistant", "content": ""}])
-            for i, m, _ in conversations
+        key_settings = {
+            "engine": engine.describe(),
+            "thinking": settings.thinking,
+            "target": target_identity(target),
+        }
+        seen: Counter[str] = Counter()
+        items = []
+        for messages, _ in conversations:
+            # a conversation with only a prompt gets its answer generated too
+            if not any(m["role"] == "assistant" for m in messages):
+                messages = [*messages, {"role": "assistant", "content": ""}]
+            text = json.dumps(messages, sort_keys=True)
+            items.append((journal_key(messages, seen[text], key_settings), messages))
+            seen[text] += 1
+        journal = out_dir / JOURNAL
+        try:
+            done = regenerate(
+                items,
+                engine.complete,
+                journal,
+                chunk=settings.chunk,
+                on_progress=lambda n, total: console.print(f"regenerated {n}/{total}"),
+            )
+        except OSError as exc:
+            raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
+        conversations = [
+            (done[key], where) for (key, _), (_, where) in zip(items, conversations, strict=True)
         ]
-        done = regenerate(
-            items,
-            engine.complete,
-            out_dir / "regenerated.jsonl",
-            chunk=settings.chunk,
-            on_progress=lambda n, total: console.print(f"regenerated {n}/{total}"),
-        )
-        conversations = [(i, done[i], where) for i, _, where in conversations]
         sampling_record = engine.describe()
 
     samples, supervised, total = [], 0, 0
-    for _, messages, where in conversations:
-        for rendered in render_conversation(tokenizer, messages, settings.thinking, where):
+    for messages, where in conversations:
+        try:
+            rendered_turns = render_conversation(tokenizer, messages, settings.thinking, where)
+        except FlashdraftError as exc:
+            bad(exc)
+            continue
+        for rendered in rendered_turns:
             n_sup = sum(rendered.loss_mask)
             if len(rendered.input_ids) > settings.max_length:
                 dropped[f"longer than {settings.max_length} tokens"] += 1
@@ -115,7 +182,11 @@ def prepare(
             supervised += n_sup
             total += len(rendered.input_ids)
     if not samples:
-        raise FlashdraftError(f"prepare: no sample kept ({dict(dropped)})")
+        reasons = (
+            ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "the inputs hold no records"
+        )
+        first = f"; first: {bad_records[0]}" if bad_records else ""
+        raise FlashdraftError(f"prepare: no sample kept from {', '.join(inputs)} ({reasons}){first}")
     manifest = {
         **tokenizer_fingerprint(tokenizer),
         "tokenizer_name": getattr(tokenizer, "name_or_path", target),
@@ -132,14 +203,15 @@ def prepare(
         "command": command or " ".join(sys.argv),
         "bad_records": bad_records[:100],
     }
-    write_shards(out_dir, samples, manifest)
+    try:
+        write_shards(out_dir, samples, manifest)
+    except OSError as exc:
+        raise _write_failed(exc, out_dir, "writing the shards") from None
 
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row(
-        "records read", str(len(conversations) + dropped["no assistant turn"] + dropped["bad record"])
-    )
+    table.add_row("records read", str(records_read))
     table.add_row("samples kept", str(len(samples)))
     for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))

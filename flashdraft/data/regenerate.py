@@ -5,11 +5,14 @@ Two engines: `LocalEngine` generates in-process with the target (length-sorted b
 and compiled decoding on a GPU), `ServerEngine` asks any OpenAI-compatible server the user already runs
 (SGLang, vLLM) with concurrent requests. Progress is a JSONL journal: each finished conversation is
 appended and flushed as one line, so a crash or Ctrl-C keeps every finished sample, and a restart skips
-them (a torn last line is ignored).
+them (a torn last line is ignored). Each answer is keyed by a hash of its conversation, the sampling
+settings and the target (`journal_key`), never by position: a rerun with other input, settings or
+target never reuses a stale answer (docs/inputs-and-outputs.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import urllib.error
@@ -18,9 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from flashdraft.data.render import apply_chat_template
 from flashdraft.errors import FlashdraftError
 
 
@@ -99,9 +104,13 @@ class LocalEngine:
         self.on_gpu = next(model.parameters()).device.type == "cuda"
 
     def _prompt(self, messages: Messages) -> list[int]:
-        kwargs = {} if self.thinking is None else {"enable_thinking": self.thinking == "on"}
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, **kwargs
+        ids = apply_chat_template(
+            self.tokenizer,
+            messages,
+            self.thinking,
+            "regeneration prompt",
+            add_generation_prompt=True,
+            tokenize=True,
         )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -158,58 +167,69 @@ class LocalEngine:
         }
 
 
-def read_journal(path: Path) -> dict[int, Messages]:
-    """Finished conversations by input index; a torn last line (a crash mid-write) is dropped."""
-    done: dict[int, Messages] = {}
+def journal_key(messages: Messages, occurrence: int, settings: dict[str, Any]) -> str:
+    """What an answer depends on: the conversation, which repeat of it this is (identical conversations
+    are sampled separately), and `settings` (engine, sampling, thinking switch, target identity)."""
+    blob = json.dumps([messages, occurrence, settings], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def read_journal(path: Path) -> dict[str, Messages]:
+    """Finished conversations by `journal_key`; a torn last line (a crash mid-write) and lines of an older
+    journal format (keyed by position, which cannot be trusted) are dropped."""
+    done: dict[str, Messages] = {}
     if not path.exists():
         return done
-    with path.open() as handle:
-        for line in handle:
+    with path.open("rb") as handle:
+        for raw in handle:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
-            done[int(record["index"])] = record["messages"]
+            if isinstance(record, dict) and isinstance(record.get("key"), str) and "messages" in record:
+                done[record["key"]] = record["messages"]
     return done
 
 
 def regenerate(
-    items: list[tuple[int, Messages]],
+    items: list[tuple[str, Messages]],
     complete: Callable[[list[Messages]], list[str]],
     journal: Path,
     chunk: int = 256,
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[int, Messages]:
-    """Regenerate every assistant turn of every conversation, turn by turn (turn k sees the regenerated
-    turns before it), `chunk` conversations at a time; finished ones are journaled as they complete."""
+) -> dict[str, Messages]:
+    """Regenerate every assistant turn of every (key, conversation), turn by turn (turn k sees the
+    regenerated turns before it), `chunk` conversations at a time; finished ones are journaled as they
+    complete. Returns the regenerated conversation of every key in `items`."""
     done = read_journal(journal)
-    todo = [(i, m) for i, m in items if i not in done]
+    wanted = {key for key, _ in items}
+    todo = [(key, m) for key, m in items if key not in done]
     journal.parent.mkdir(parents=True, exist_ok=True)
     with journal.open("a") as handle:
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
-            convs = {i: [] for i, _ in group}
-            remaining = {i: list(m) for i, m in group}
+            convs: dict[str, Messages] = {key: [] for key, _ in group}
+            remaining = {key: list(m) for key, m in group}
             while remaining:
                 asking = []
-                for i, rest in list(remaining.items()):
+                for key, rest in list(remaining.items()):
                     while rest and rest[0]["role"] != "assistant":
-                        convs[i].append(rest.pop(0))
+                        convs[key].append(rest.pop(0))
                     if rest:
-                        asking.append(i)
+                        asking.append(key)
                     else:
-                        del remaining[i]
+                        del remaining[key]
                 if not asking:
                     break
-                answers = complete([convs[i] for i in asking])
-                for i, answer in zip(asking, answers, strict=True):
-                    remaining[i].pop(0)  # the original assistant turn is replaced
-                    convs[i].append({"role": "assistant", "content": answer})
-            for i, _ in group:
-                handle.write(json.dumps({"index": i, "messages": convs[i]}) + "\n")
-                done[i] = convs[i]
+                answers = complete([convs[key] for key in asking])
+                for key, answer in zip(asking, answers, strict=True):
+                    remaining[key].pop(0)  # the original assistant turn is replaced
+                    convs[key].append({"role": "assistant", "content": answer})
+            for key, _ in group:
+                handle.write(json.dumps({"key": key, "messages": convs[key]}, ensure_ascii=False) + "\n")
+                done[key] = convs[key]
             handle.flush()
             os.fsync(handle.fileno())
             if on_progress:
-                on_progress(len(done), len(items))
-    return done
+                on_progress(sum(key in done for key in wanted), len(wanted))
+    return {key: done[key] for key in wanted}

@@ -19,6 +19,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from flashdraft.errors import FlashdraftError
 
 
@@ -28,10 +30,31 @@ class Rendered:
     loss_mask: list[int]
 
 
-def _render_text(tokenizer, messages, *, add_generation_prompt: bool, thinking: str | None) -> str:
-    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+def apply_chat_template(tokenizer, messages, thinking: str | None, where: str, **kwargs):
+    """The tokenizer's own chat template with the thinking switch; a template that refuses the
+    conversation (Gemma and Mistral templates raise on a system turn or on roles that do not alternate)
+    is an error naming the conversation and the template's own message."""
+    if thinking is not None:
+        kwargs["enable_thinking"] = thinking == "on"
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlashdraftError(
+            f"{where}: the target's chat template refused this conversation: {message}"
+        ) from None
+
+
+def check_renders(tokenizer, messages, thinking: str | None, where: str) -> None:
+    """Render the whole conversation once, so a template that refuses it is found before any long work."""
+    apply_chat_template(tokenizer, messages, thinking, where, tokenize=False)
+
+
+def _render_text(
+    tokenizer, messages, *, add_generation_prompt: bool, thinking: str | None, where: str
+) -> str:
+    return apply_chat_template(
+        tokenizer, messages, thinking, where, tokenize=False, add_generation_prompt=add_generation_prompt
     )
 
 
@@ -83,12 +106,16 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
 
     specials = special_ids(tokenizer)
     full_text = _render_text(
-        tokenizer, messages[: turns[-1] + 1], add_generation_prompt=False, thinking=thinking
+        tokenizer, messages[: turns[-1] + 1], add_generation_prompt=False, thinking=thinking, where=where
     )
     spans, consistent = [], True
     for i in turns:
-        before = _render_text(tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking)
-        through = _render_text(tokenizer, messages[: i + 1], add_generation_prompt=False, thinking=thinking)
+        before = _render_text(
+            tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking, where=where
+        )
+        through = _render_text(
+            tokenizer, messages[: i + 1], add_generation_prompt=False, thinking=thinking, where=where
+        )
         if not through.startswith(before):
             raise FlashdraftError(
                 f"{where}: the chat template renders assistant turn {i} differently from its generation prompt, "
@@ -112,9 +139,14 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
 
 
 def _render_with_generation_markers(tokenizer, messages, thinking, where) -> Rendered:
-    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+    out = apply_chat_template(
+        tokenizer,
+        messages,
+        thinking,
+        where,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     mask = list(out["assistant_masks"])
     if not any(mask):

@@ -1,7 +1,8 @@
 """Tokenized training samples ({input_ids, loss_mask}), the deterministic epoch sampler and collation.
 
 Reads shard directories made by `flashdraft prepare` (their manifest is checked against the target's
-tokenizer), JSONL files (one sample per line), or directories of them. Every malformed line is an error that
+tokenizer and their sample count against the shards), JSONL files (one sample per line, gzipped or
+not), or directories of them; data whose tokenizer cannot be verified gets a warning. Every malformed line is an error that
 names the file and line; nothing is skipped silently (samples that cannot hold one block are counted
 and reported).
 """
@@ -16,7 +17,8 @@ import torch
 from torch import Tensor
 
 from flashdraft.data.chat import parse_json_object
-from flashdraft.data.shards import check_manifest, read_manifest
+from flashdraft.data.shards import check_manifest, read_manifest, warn
+from flashdraft.data.sources import decode_line, text_lines
 from flashdraft.errors import FlashdraftError
 
 
@@ -48,22 +50,26 @@ class TokenDataset:
         return len(self.samples)
 
 
-def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> list[Path]:
-    files: list[Path] = []
-    for raw in paths:
+def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> list[tuple[Path, int]]:
+    """(file, index of the data path it came from) for every data file, manifests checked."""
+    files: list[tuple[Path, int]] = []
+    for source, raw in enumerate(paths):
         path = Path(raw)
         manifest = read_manifest(path) if path.is_dir() else None
         if manifest is not None:
-            if fingerprint is not None:
-                check_manifest(path, fingerprint, target)
-            files.extend(path / name for name in manifest["shards"])
+            check_manifest(path, fingerprint, target)
+            files.extend((path / name, source) for name in manifest["shards"])
         elif path.is_dir():
-            found = sorted(path.glob("*.jsonl"))
+            found = sorted(
+                p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))
+            )
             if not found:
                 raise FlashdraftError(f"data {path}: directory holds no .jsonl files")
-            files.extend(found)
+            warn(f"data {path} has no flashdraft manifest.json")
+            files.extend((f, source) for f in found)
         elif path.is_file():
-            files.append(path)
+            warn(f"data {path} is a file without a flashdraft manifest")
+            files.append((path, source))
         else:
             raise FlashdraftError(f"data {path}: no such file or directory")
     return files
@@ -96,26 +102,42 @@ def load_token_dataset(
         raise FlashdraftError("data.train: no training data given (set data.train=[file.jsonl, ...])")
     samples: list[Sample] = []
     dropped = {"no_anchor": 0}
-    for file in _files(paths, fingerprint, target):
-        with file.open() as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                sample = _parse(line, f"{file} line {number}")
-                if vocab_size is not None and sample.input_ids and max(sample.input_ids) >= vocab_size:
-                    raise FlashdraftError(
-                        f"{file} line {number}: token id {max(sample.input_ids)} >= the target vocabulary ({vocab_size})"
-                    )
-                ids, mask = sample.input_ids[:max_length], sample.loss_mask[:max_length]
-                if not any(mask[: max(len(ids) - block_size + 1, 0)]):
-                    dropped["no_anchor"] += 1
-                    continue
-                samples.append(Sample(ids, mask))
+    read_from: dict[int, int] = {}
+    for file, source in _files(paths, fingerprint, target):
+        for number, raw in text_lines(file):
+            if not raw.strip():
+                continue
+            where = f"{file} line {number}"
+            sample = _parse(decode_line(raw, where), where)
+            read_from[source] = read_from.get(source, 0) + 1
+            if vocab_size is not None and sample.input_ids and max(sample.input_ids) >= vocab_size:
+                raise FlashdraftError(
+                    f"{where}: token id {max(sample.input_ids)} >= the target vocabulary ({vocab_size})"
+                )
+            ids, mask = sample.input_ids[:max_length], sample.loss_mask[:max_length]
+            if not any(mask[: max(len(ids) - block_size + 1, 0)]):
+                dropped["no_anchor"] += 1
+                continue
+            samples.append(Sample(ids, mask))
+    _check_counts(paths, read_from)
     if not samples:
         raise FlashdraftError(
             f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a block)"
         )
     return TokenDataset(samples, dropped)
+
+
+def _check_counts(paths: list[str], read_from: dict[int, int]) -> None:
+    """A shard set must hold as many samples as its manifest says: a shard truncated by a full disk or an
+    interrupted copy would otherwise train on part of the data without a word."""
+    for source, raw in enumerate(paths):
+        manifest = read_manifest(Path(raw)) if Path(raw).is_dir() else None
+        expected = None if manifest is None else manifest.get("samples")
+        if isinstance(expected, int) and read_from.get(source, 0) != expected:
+            raise FlashdraftError(
+                f"data {raw}: {read_from.get(source, 0)} samples in its shards but its manifest.json says "
+                f"{expected} (incomplete shards); run flashdraft prepare again"
+            )
 
 
 def anchor_seed(seed: int, epoch: int, index: int) -> int:

@@ -3,6 +3,7 @@ target through the same code (block size 1), with an optional losslessness check
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,23 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.data.chat import normalise, prompt_ids, read_records
+from flashdraft.data.chat import normalise, prompt_ids
+from flashdraft.data.sources import read_records
+from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import Generation, generate
-from flashdraft.infer.report import acceptance_report, plot, tokens_per_second, write_json
+from flashdraft.infer.report import (
+    PRODUCER,
+    acceptance_report,
+    check_plot_path,
+    plot,
+    plot_is_ours,
+    tokens_per_second,
+    write_json,
+)
 from flashdraft.model.checkpoint import load_drafter
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
+from flashdraft.outputs import check_output_file
 
 
 @dataclass
@@ -61,6 +73,67 @@ def first_divergence(
     return None
 
 
+def resolve_device(device: str) -> torch.device:
+    """`--device`: auto (a GPU when there is one), cpu, cuda or cuda:N; anything else is one line."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise FlashdraftError(f"--device {device}: not a device (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FlashdraftError(f"--device {device}: no CUDA GPU is visible here (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise FlashdraftError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type != "cpu":
+        raise FlashdraftError(f"--device {device}: eval runs on cpu or cuda")
+    return dev
+
+
+def _check_settings(settings: EvalSettings) -> None:
+    """The same limits as the command's flags, for callers that build settings in code."""
+    if settings.max_new_tokens < 1:
+        raise FlashdraftError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
+    if settings.block_size is not None and settings.block_size < 1:
+        raise FlashdraftError(f"--block-size must be at least 1, got {settings.block_size}")
+    if settings.max_prompts < 0:
+        raise FlashdraftError(f"--max-prompts must be 0 (all) or more, got {settings.max_prompts}")
+    if settings.check_lossless and settings.temperature != 0:
+        raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
+
+
+def encode_prompts(
+    prompts: str, tokenizer, thinking: str | None, vocab_size: int, max_prompts: int = 0
+) -> list[torch.Tensor]:
+    """Every prompt as a [1, n] id tensor; an empty prompt or an id outside the target's vocabulary is an
+    error naming the prompt file and line (it would otherwise fail deep inside the embedding)."""
+    records = read_records(prompts)
+    if max_prompts:
+        records = records[:max_prompts]
+    if not records:
+        raise FlashdraftError(f"--prompts {prompts}: no prompts")
+    encoded = []
+    for record, where in records:
+        ids = prompt_ids(normalise(record, where), tokenizer, thinking)
+        if not ids:
+            raise FlashdraftError(f"{where}: the prompt has no tokens")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise FlashdraftError(
+                f"{where}: token id {bad[0]} is outside the target vocabulary (0..{vocab_size - 1})"
+            )
+        encoded.append(torch.tensor([ids]))
+    return encoded
+
+
+def _report_is_ours(path: Path) -> bool:
+    try:
+        return json.loads(path.read_bytes()).get("producer") == PRODUCER
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def run_eval(
     target_dir: str,
     drafter_dir: str,
@@ -71,15 +144,27 @@ def run_eval(
     out: str | None = None,
     plot_path: str | None = None,
     console: Console | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
+    """Outputs, device and prompts are all checked before a model loads (docs/inputs-and-outputs.md): an
+    existing --out / --plot is overwritten only when flashdraft eval wrote it, or with `force`."""
     console = console or Console()
-    if settings.check_lossless and settings.temperature != 0:
-        raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
+    _check_settings(settings)
+    inputs = {"--target": target_dir, "--drafter": drafter_dir, "--prompts": prompts}
+    if out:
+        check_output_file(out, "--out", force=force, inputs=inputs, ours=_report_is_ours)
+    if plot_path:
+        check_plot_path(plot_path)
+        check_output_file(plot_path, "--plot", force=force, inputs=inputs, ours=plot_is_ours)
+    if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
+        raise FlashdraftError(f"--out and --plot are the same file {out}")
+    dev = resolve_device(device)
     target_path = Path(target_dir)
     target_config = load_target_config(target_path)
+    tokenizer = load_target_tokenizer(target_path)
+    encoded = encode_prompts(
+        prompts, tokenizer, settings.thinking, int(target_config.vocab_size), settings.max_prompts
+    )
     drafter = load_drafter(
         drafter_dir,
         target=target_config,
@@ -88,16 +173,7 @@ def run_eval(
     )
     target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev)
     block = settings.block_size or drafter.block_size
-    tokenizer = load_target_tokenizer(target_path)
     stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    records = read_records(prompts)
-    if settings.max_prompts:
-        records = records[: settings.max_prompts]
-    encoded = [
-        torch.tensor([prompt_ids(normalise(r, where), tokenizer, settings.thinking)]) for r, where in records
-    ]
-    if not encoded:
-        raise FlashdraftError(f"{prompts}: no prompts")
 
     g = torch.Generator(device=dev).manual_seed(settings.seed)
 
@@ -139,6 +215,7 @@ def run_eval(
             "prompts_file": str(prompts),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "settings": settings.__dict__,
+            "producer": PRODUCER,
         }
     )
     if settings.check_lossless:
@@ -164,8 +241,13 @@ def run_eval(
             f"diverged: prompt {d['prompt']} at token {d['position']}: plain {d['plain_token']} vs "
             f"speculative {d['speculative_token']} (target logit margin {d['logit_margin']})"
         )
-    if out:
-        write_json(report, out)
-    if plot_path:
-        plot(report, plot_path)
+    try:
+        if out:
+            write_json(report, out)
+        if plot_path:
+            plot(report, plot_path)
+    except OSError as exc:
+        where = out if out and not Path(out).exists() else plot_path
+        reason = disk_full_reason(exc, Path(where).parent) or exc.strerror or str(exc)
+        raise FlashdraftError(f"cannot write the report {where}: {reason}") from None
     return report

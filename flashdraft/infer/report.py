@@ -7,12 +7,17 @@ Speedup = mean time per output token of plain decoding / that of speculative dec
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from flashdraft.durable import atomic_write_bytes, atomic_write_text
+from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import Generation
+
+PRODUCER = "flashdraft eval"  # recorded in reports and plots: a rerun may overwrite what it wrote
 
 
 def acceptance_report(
@@ -55,11 +60,30 @@ def tokens_per_second(runs: list[Generation]) -> float:
 
 
 def write_json(report: dict[str, Any], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
+
+
+def check_plot_path(path: str | Path) -> None:
+    """The plot's format comes from its suffix; an unknown one is refused before the evaluation runs."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise FlashdraftError(
+            f"--plot {path}: unknown image format {suffix or '(no suffix)'!r}; use .png, .pdf or .svg"
+        )
+
+
+def plot_is_ours(path: Path) -> bool:
+    """A PNG written by `plot` (it carries Software=flashdraft eval), which a rerun may overwrite."""
+    try:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            return image.info.get("Software") == PRODUCER
+    except Exception:  # not an image PIL reads: not ours
+        return False
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
@@ -83,6 +107,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     if "speedup" in report:
         fig.suptitle(f"speedup {report['speedup']:.2f}x vs plain decoding")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fmt = Path(path).suffix.lstrip(".").lower()
+    buffer = io.BytesIO()
+    metadata = {"Software": PRODUCER} if fmt == "png" else None
+    fig.savefig(buffer, format=fmt, dpi=120, metadata=metadata)
     plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())

@@ -8,8 +8,6 @@ inconsistent is an error naming the field or tensor, never silently random weigh
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +16,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, Qwen3Config
 
+from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, build_target_layer_ids, layer_kinds
+from flashdraft.outputs import check_output_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -114,20 +114,82 @@ def check_against_target(config: PretrainedConfig, target: PretrainedConfig, sou
         )
 
 
+# Fields whose JSON type is checked before a config object is built from them: a wrong type would
+# otherwise surface as a traceback deep in transformers or in the model's constructor.
+_INT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_OPTIONAL_TYPES: dict[str, tuple[type, ...]] = {
+    "num_key_value_heads": (int,),
+    "head_dim": (int,),
+    "vocab_size": (int,),
+    "block_size": (int,),
+    "num_target_layers": (int,),
+    "max_position_embeddings": (int,),
+    "sliding_window": (int, type(None)),
+    "rms_norm_eps": (int, float),
+    "rope_theta": (int, float),
+    "dflash_config": (dict,),
+    "rope_parameters": (dict, type(None)),
+    "rope_scaling": (dict, type(None)),
+    "layer_types": (list,),
+    "architectures": (list,),
+}
+_JSON_TYPE_NAMES = {
+    int: "an integer",
+    float: "a number",
+    dict: "an object",
+    list: "a list",
+    type(None): "null",
+}
+
+
+def _check_config_types(data: Any, file: Path) -> None:
+    if not isinstance(data, dict):
+        raise FlashdraftError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    for name in _INT_FIELDS:
+        if not isinstance(data.get(name), int) or isinstance(data.get(name), bool):
+            raise FlashdraftError(f"{file}: field '{name}' is missing or not an integer")
+    for name, types in _OPTIONAL_TYPES.items():
+        value = data.get(name)
+        if name in data and (not isinstance(value, types) or isinstance(value, bool)):
+            wanted = " or ".join(dict.fromkeys(_JSON_TYPE_NAMES[t] for t in types))
+            raise FlashdraftError(f"{file}: field '{name}' must be {wanted}, got {value!r}")
+    dflash = data.get("dflash_config") or {}
+    for name in ("mask_token_id", "block_size"):
+        if name in dflash and (not isinstance(dflash[name], int) or isinstance(dflash[name], bool)):
+            raise FlashdraftError(
+                f"{file}: field 'dflash_config.{name}' must be an integer, got {dflash[name]!r}"
+            )
+    for name in ("target_layer_ids",):
+        value = dflash.get(name, data.get(name))
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        ):
+            raise FlashdraftError(
+                f"{file}: field 'dflash_config.{name}' must be a list of integers, got {value!r}"
+            )
+    if any(not isinstance(t, str) for t in data.get("layer_types") or []):
+        raise FlashdraftError(f"{file}: field 'layer_types' must be a list of strings")
+
+
 def read_config(path: str | Path) -> Qwen3Config:
     path = Path(path)
     file = path / CONFIG_NAME
     try:
-        data = json.loads(file.read_text())
+        data = json.loads(file.read_bytes().decode("utf-8-sig"))
     except FileNotFoundError:
         raise FlashdraftError(f"drafter {path}: no {CONFIG_NAME} (not a drafter directory)") from None
+    except IsADirectoryError:
+        raise FlashdraftError(f"{file} is a directory, not a JSON file") from None
+    except UnicodeDecodeError as exc:
+        raise FlashdraftError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise FlashdraftError(f"{file} line {exc.lineno}: invalid JSON ({exc.msg})") from None
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(data.get(name), int):
-            raise FlashdraftError(f"{file}: field '{name}' is missing or not an integer")
+    _check_config_types(data, file)
     data.pop("model_type", None)
-    config = Qwen3Config(**{k: v for k, v in data.items() if k not in ("transformers_version",)})
+    try:
+        config = Qwen3Config(**{k: v for k, v in data.items() if k not in ("transformers_version",)})
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise FlashdraftError(f"{file}: not a valid drafter config ({exc})") from None
     DFlashSpec.from_config(config, str(file))
     layer_kinds(config, str(file))
     return config
@@ -179,62 +241,77 @@ def load_drafter(
     return model.to(dtype)
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a fully written `tmp` into place; a reader sees the old or the new directory, never half of one."""
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-
-
-def save_drafter(model: DFlashDraftModel, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write `config.json` + `model.safetensors` atomically (temporary directory, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+def _not_a_drafter(path: Path) -> str | None:
+    """None when `path` is a drafter directory flashdraft may replace (only config.json and weights, and
+    the config reads as a DFlash drafter); else why it is not, for the error message."""
+    extra = sorted(p.name for p in path.iterdir() if p.name not in (CONFIG_NAME, WEIGHTS_NAME))
+    if extra:
+        return f"holds files that are not a drafter's ({', '.join(extra[:4])})"
     try:
-        config = model.config.to_dict()
-        config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[
-            dtype
-        ]
-        for noise in (
-            "transformers_version",
-            "id2label",
-            "label2id",
-            "_name_or_path",
-            "problem_type",
-            "chunk_size_feed_forward",
-        ):
-            config.pop(noise, None)
-        rope = config.get("rope_parameters") or {}
-        # Engines on older transformers read the flat fields; keep both spellings in step.
-        config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
-        if rope.get("rope_type", "default") == "default":
-            config["rope_scaling"] = None
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+        read_config(path)
+    except FlashdraftError:
+        return "is not a drafter directory"
+    return None
+
+
+def save_drafter(
+    model: DFlashDraftModel,
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    overwrite: str = "drafter",
+    flag: str = "drafter directory",
+) -> Path:
+    """Write `config.json` + `model.safetensors` into a new directory, swapped in only once complete.
+
+    `overwrite` says what an existing non-empty `path` may be: 'never' (refused: `flashdraft init`
+    without --force), 'drafter' (only a drafter directory, e.g. the trainer's `best/`), 'any' (--force).
+    A file or a symbolic link is always refused (docs/inputs-and-outputs.md)."""
+    if overwrite not in ("never", "drafter", "any"):
+        raise ValueError(f"overwrite={overwrite!r}")
+    path = Path(path)
+    check_output_dir(
+        path,
+        flag,
+        force=overwrite == "any",
+        ours=None if overwrite == "never" else _not_a_drafter,
+    )
+    config = model.config.to_dict()
+    config["dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    for noise in (
+        "transformers_version",
+        "id2label",
+        "label2id",
+        "_name_or_path",
+        "problem_type",
+        "chunk_size_feed_forward",
+    ):
+        config.pop(noise, None)
+    rope = config.get("rope_parameters") or {}
+    # Engines on older transformers read the flat fields; keep both spellings in step.
+    config["rope_theta"] = rope.get("rope_theta", config.get("rope_theta"))
+    if rope.get("rope_type", "default") == "default":
+        config["rope_scaling"] = None
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    with atomic_directory(path, replace=True) as tmp:
+        atomic_write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "producer": "flashdraft"})
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
-def resolve_mask_token_id(target_path: str | Path, target: PretrainedConfig, explicit: int | None) -> int:
+def resolve_mask_token_id(
+    target_path: str | Path,
+    target: PretrainedConfig,
+    explicit: int | None,
+    label: str = "model.mask_token_id",
+) -> int:
     """Explicit id, else the tokenizer's mask token or `<|MASK|>`, else the first embedding row past the
-    tokenizer's entries (Qwen3's 151669 convention, §1.6). Otherwise a clear error saying how to choose."""
+    tokenizer's entries (Qwen3's 151669 convention, §1.6). Otherwise a clear error saying how to choose.
+    `label` is the setting the user gave the id with (`--mask-token-id` or `model.mask_token_id`)."""
     vocab = int(target.vocab_size)
     if explicit is not None:
-        if not 0 <= explicit < vocab:
-            raise FlashdraftError(
-                f"--mask-token-id {explicit} is outside the target vocabulary (0..{vocab - 1})"
-            )
+        if isinstance(explicit, bool) or not isinstance(explicit, int) or not 0 <= explicit < vocab:
+            raise FlashdraftError(f"{label} {explicit!r} is outside the target vocabulary (0..{vocab - 1})")
         return explicit
     from flashdraft.model.target import load_target_tokenizer
 
@@ -249,10 +326,10 @@ def resolve_mask_token_id(target_path: str | Path, target: PretrainedConfig, exp
             return len(tokenizer)
         raise FlashdraftError(
             f"target {target_path}: its tokenizer fills all {vocab} embedding rows, so there is no free row for the "
-            "mask token; pass --mask-token-id with an id the model never generates (e.g. an unused special token)"
+            f"mask token; set {label} to an id the model never generates (e.g. an unused special token)"
         )
     raise FlashdraftError(
-        f"target {target_path}: no tokenizer found to choose a mask token; pass --mask-token-id "
+        f"target {target_path}: no tokenizer found to choose a mask token; set {label} "
         "(an embedding row the model never generates, e.g. the first id past the tokenizer's entries)"
     )
 
@@ -268,12 +345,15 @@ def init_drafter(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     seed: int = 0,
+    force: bool = False,
 ) -> Path:
-    """`flashdraft init`: a new, randomly initialised drafter directory for a target."""
+    """`flashdraft init`: a new, randomly initialised drafter directory for a target. An existing non-empty
+    `out` is replaced only with `force`, and never when it is (or holds, or lies in) the target."""
     from flashdraft.model.target import load_target_config
 
+    check_output_dir(out, "--out", force=force, inputs={"--target": target_path})  # before any work
     target = load_target_config(target_path)
-    mask = resolve_mask_token_id(target_path, target, mask_token_id)
+    mask = resolve_mask_token_id(target_path, target, mask_token_id, label="--mask-token-id")
     config = make_drafter_config(
         target,
         num_layers=num_layers,
@@ -285,4 +365,4 @@ def init_drafter(
     )
     model = DFlashDraftModel(config)
     model.init_weights(torch.Generator().manual_seed(seed))
-    return save_drafter(model, out)
+    return save_drafter(model, out, overwrite="any" if force else "never", flag="--out")

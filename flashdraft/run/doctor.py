@@ -7,6 +7,7 @@ subprocess on the GPU (a compile failure there cannot take this process down).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import socket
@@ -140,7 +141,8 @@ def _drafter(config: Config) -> Check:
 
 
 def _data(config: Config) -> Check:
-    import json
+    from flashdraft.data.shards import read_manifest
+    from flashdraft.data.sources import text_lines
 
     if not config.data.train:
         return Check("data", False, "data.train is empty", "data.train=[/path/to/shards.jsonl]")
@@ -153,17 +155,25 @@ def _data(config: Config) -> Check:
                 f"data {path}: no such file or directory",
                 "check the path (relative to the launch directory)",
             )
-        first = path if path.is_file() else next(iter(sorted(path.glob("*.jsonl"))), None)
+        try:  # the same manifest checks `train` makes: not an object, no shards list, a shard missing
+            manifest = read_manifest(path) if path.is_dir() else None
+        except FlashdraftError as exc:
+            return Check("data", False, str(exc), "run flashdraft prepare again into that directory")
+        if manifest is not None:
+            first = path / manifest["shards"][0] if manifest["shards"] else None
+        elif path.is_file():
+            first = path
+        else:
+            first = next(iter(sorted(path.glob("*.jsonl"))), None)
         if first is None:
             return Check(
                 "data", False, f"data {path}: directory holds no .jsonl files", "point at the prepared shards"
             )
-        with first.open() as handle:
-            line = handle.readline()
         try:
+            line = next((raw for _, raw in text_lines(first) if raw.strip()), b"")
             record = json.loads(line)
-            assert "input_ids" in record and "loss_mask" in record
-        except (json.JSONDecodeError, AssertionError):
+            assert isinstance(record, dict) and "input_ids" in record and "loss_mask" in record
+        except (json.JSONDecodeError, UnicodeDecodeError, AssertionError, FlashdraftError):
             return Check(
                 "data",
                 False,

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from flashdraft.data.chat import normalise, prompt_ids, read_records
+from flashdraft.data.chat import normalise, prompt_ids
+from flashdraft.data.sources import read_records
 from flashdraft.errors import FlashdraftError
 
 QWEN_STYLE = (

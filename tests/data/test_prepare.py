@@ -59,6 +59,11 @@ def target(tmp_path_factory) -> Path:
     )
 
 
+def _by_first_user(journal: dict) -> dict:
+    """Journaled conversations by their first user turn (the journal is keyed by hashes)."""
+    return {next(m["content"] for m in conv if m["role"] == "user"): conv for conv in journal.values()}
+
+
 def _write(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -268,12 +273,12 @@ def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server
         )
         == 0
     )
-    done = read_journal(out / "regenerated.jsonl")
-    assert [m["content"] for m in done[1] if m["role"] == "assistant"] == [
+    done = _by_first_user(read_journal(out / "regenerated.jsonl"))
+    assert [m["content"] for m in done["2+2"] if m["role"] == "assistant"] == [
         "ok",
         "sure",
     ]  # turn 2 sees regenerated turn 1
-    assert done[3][-1] == {
+    assert done["thanks"][-1] == {
         "role": "assistant",
         "content": "ok",
     }  # prompt-only conversations get an answer too
@@ -321,8 +326,8 @@ def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path,
     asked_before = len(handler.seen)
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     lines = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
-    indices = [r["index"] for r in lines]
-    assert sorted(indices) == list(range(24)) and len(indices) == len(set(indices))  # no duplicate, no loss
+    keys = [r["key"] for r in lines]
+    assert len(keys) == len(set(keys)) == 24  # no duplicate, no loss (identical conversations: distinct keys)
     assert len(handler.seen) - asked_before == 24 - len(kept)  # finished ones were not asked again
     assert json.loads((out / "manifest.json").read_text())["samples"] == 24
 
@@ -349,7 +354,8 @@ def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, targ
         )
         == 0
     )
-    answer = read_journal(out / "regenerated.jsonl")[0][-1]["content"]
+    (conversation,) = read_journal(out / "regenerated.jsonl").values()
+    answer = conversation[-1]["content"]
     tok = make_tokenizer("qwen")
     model = AutoModelForCausalLM.from_pretrained(target)
     prompt = tok.apply_chat_template(CONVS[0]["messages"][:2], add_generation_prompt=True, tokenize=True)

@@ -178,3 +178,125 @@ def test_init_defaults_follow_the_paper(tmp_path):
     assert config["model_type"] == "qwen3" and config["dtype"] == "bfloat16"
     names = set(load_file(tmp_path / "d" / "model.safetensors"))
     assert len(names) == 5 * 11 + 3 and {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+
+
+# ---------------------------------------------------------------- init never destroys the user's files
+
+
+@pytest.fixture()
+def own_target(tmp_path) -> Path:
+    """A private target: these tests try to overwrite it, so never the shared one."""
+    from flashdraft.bench.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path / "target", "qwen3", num_layers=2, hidden_size=32)
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _init(target, out, *extra) -> list[str]:
+    return [
+        "init",
+        "--target",
+        str(target),
+        "--out",
+        str(out),
+        "--mask-token-id",
+        "3",
+        "--num-layers",
+        "1",
+        *extra,
+    ]
+
+
+def _init_error(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flashdraft: error: ") and "\n" not in err
+    return err
+
+
+def test_init_with_out_equal_to_the_target_never_touches_it(own_target, capsys):
+    before = _tree(own_target)
+    for extra in ([], ["--force"]):
+        assert "same path as --target" in _init_error(capsys, _init(own_target, own_target, *extra))
+        assert _tree(own_target) == before
+    assert "lies inside --target" in _init_error(capsys, _init(own_target, own_target / "d", "--force"))
+    assert "contains --target" in _init_error(capsys, _init(own_target, own_target.parent, "--force"))
+    assert _tree(own_target) == before
+
+
+def test_init_refuses_an_existing_output_unless_forced(own_target, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    err = _init_error(capsys, _init(own_target, mine))
+    assert "already exists and it is not empty; pass --force" in err and (mine / "notes.txt").exists()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert "is a file, not a directory" in _init_error(capsys, _init(own_target, a_file, "--force"))
+    assert a_file.read_text() == "x"
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert "symbolic link" in _init_error(capsys, _init(own_target, link, "--force"))
+    assert main(_init(own_target, mine, "--force")) == 0  # the user asked for it
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "link", "mine", "target"]  # no temporary
+
+
+def test_save_drafter_replaces_a_drafter_but_never_a_directory_it_did_not_write(own_target, tmp_path):
+    from flashdraft.model.checkpoint import save_drafter
+
+    out = tmp_path / "best"
+    assert main(_init(own_target, out)) == 0
+    model = load_drafter(out)
+    save_drafter(model, out)  # the trainer's best/: its own drafter directory is replaced
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.bin").write_bytes(b"x")
+    with pytest.raises(FlashdraftError, match="holds files that are not a drafter's"):
+        save_drafter(model, other)
+    assert (other / "data.bin").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        ([1, 2], "expected a JSON object, found list"),
+        ({"hidden_size": "64"}, "field 'hidden_size' is missing or not an integer"),
+        ({"dflash_config": [1]}, "field 'dflash_config' must be an object"),
+        (
+            {"dflash_config": {"mask_token_id": "7", "target_layer_ids": [1]}},
+            "'dflash_config.mask_token_id' must be an integer",
+        ),
+        (
+            {"dflash_config": {"mask_token_id": 7, "target_layer_ids": ["1"]}},
+            "'dflash_config.target_layer_ids' must be a list of integers",
+        ),
+        ({"rope_parameters": [10000]}, "field 'rope_parameters' must be an object or null"),
+        ({"layer_types": "full_attention"}, "field 'layer_types' must be a list"),
+        ({"num_key_value_heads": 2.5}, "field 'num_key_value_heads' must be an integer"),
+    ],
+)
+def test_malformed_config_json_is_one_line_naming_the_field(drafter_dir, config, needle):
+    if isinstance(config, dict):
+        data = json.loads((drafter_dir / "config.json").read_text())
+        data.update(config)
+        config = data
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    message = _error(drafter_dir)
+    assert needle in message and "config.json" in message
+
+
+def test_mask_id_errors_name_the_setting_the_user_used(qwen3_target):
+    from flashdraft.model.checkpoint import resolve_mask_token_id
+
+    target = load_target_config(qwen3_target)
+    with pytest.raises(FlashdraftError, match=r"^model\.mask_token_id 99999 is outside"):
+        resolve_mask_token_id(qwen3_target, target, 99999)
+    with pytest.raises(FlashdraftError, match=r"set model\.mask_token_id"):
+        resolve_mask_token_id(qwen3_target, target, None)  # no tokenizer to choose one
+    with pytest.raises(FlashdraftError, match=r"^--mask-token-id 99999"):
+        resolve_mask_token_id(qwen3_target, target, 99999, label="--mask-token-id")
