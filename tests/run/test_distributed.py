@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .test_faults import FLASHDRAFT, final, launch, setup, status, wait_for  # noqa: F401 - fixtures and helpers
+from .test_faults import FLASHDRAFT, fault, final, launch, setup, status, wait_for  # noqa: F401 - fixtures and helpers
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
 
 
 def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):  # noqa: F811
-    info = launch(setup, "--nproc-per-node", "2", "--env", "FLASHDRAFT_FAULT=raise@3:1")
+    info = launch(setup, "--nproc-per-node", "2", *fault("raise@3:1"))
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "failed" and "Python exception on rank 1, step 3" in info["diagnosis"]
     out = subprocess.run(
