@@ -105,8 +105,8 @@ def current_status(run_dir: Path, tail: list[str] | None = None) -> dict[str, An
 
 def resume_command(run_dir: Path) -> str:
     """The one command that continues a run in its own directory."""
-    name = run_dir.name if run_dir.parent == runs_root() else str(run_dir)
-    return f"flashdraft launch --resume {name}"
+    where = "" if run_dir.parent == runs_root() else f" --runs-dir {run_dir.parent}"
+    return f"flashdraft launch --resume {run_dir.name}{where}"
 
 
 def _reconcile_without_supervisor(run_dir: Path, status: dict[str, Any], tail: list[str]) -> dict[str, Any]:

@@ -23,32 +23,15 @@ FLASHDRAFT = shutil.which("flashdraft") or f"{sys.executable} -m flashdraft"
 FAULTS_DIR = Path(__file__).parent / "faults"
 
 
-def fault(spec: str) -> list[str]:
-    """`launch` options that inject a fault into the job (tests/run/faults/flashdraft_test_faults.py)."""
+def fault_env(spec: str) -> dict[str, str]:
+    """The environment that injects fault `spec` (tests/run/faults/flashdraft_test_faults.py)."""
     path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH")) if p)
-    return ["--env", f"FLASHDRAFT_TEST_FAULT={spec}", "--env", f"PYTHONPATH={path}"]
+    return {"FLASHDRAFT_TEST_FAULT": spec, "PYTHONPATH": path}
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, qwen3_target) -> dict:
-    root = tmp_path_factory.mktemp("faults")
-    data = root / "train.jsonl"
-    with data.open("w") as f:
-        for i in range(16):
-            n = 40 + i
-            f.write(
-                json.dumps(
-                    {"input_ids": [(i + 3 * j) % 290 for j in range(n)], "loss_mask": [0] * 4 + [1] * (n - 4)}
-                )
-                + "\n"
-            )
-    config = root / "cfg.yaml"
-    config.write_text(
-        f"model:\n  target: {qwen3_target}\n  mask_token_id: 300\n  num_layers: 1\n  block_size: 4\n"
-        f"data:\n  train: [{data}]\n"
-        "train:\n  max_steps: 12\n  num_anchors: 8\n  batch_size: 2\n  log_every: 2\n  save_every: 4\n  device: cpu\n"
-    )
-    return {"root": root, "config": config}
+def fault(spec: str) -> list[str]:
+    """`launch` options that inject fault `spec` into the job."""
+    return [arg for key, value in fault_env(spec).items() for arg in ("--env", f"{key}={value}")]
 
 
 def launch(setup, *args: str, env: dict | None = None) -> dict:
@@ -198,6 +181,9 @@ def test_hung_job_is_reported_and_force_stopped(setup):
     assert "killed" in out.stdout
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "killed" and info["signal"] == "SIGKILL"
+    # stop recorded that it forced the kill before sending SIGKILL: not blamed on the OOM killer
+    assert info["diagnosis"].startswith("killed by flashdraft stop --force after 2 s"), info["diagnosis"]
+    assert "hung at phase training step 2" in info["diagnosis"] and "OOM" not in info["diagnosis"]
     assert_clean(info)
 
 
