@@ -78,6 +78,9 @@ def install() -> None:
             if phase == "checkpointing" and self.dir is not None:
                 fill_filesystem(str(self.dir.parent))
         elif "step" in fields:
+            beat(
+                self, force=True
+            )  # the heartbeat file shows the step the fault fired at (beats are throttled)
             _trigger(what, step_at)
 
     Heartbeat.beat = faulty_beat
