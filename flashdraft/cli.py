@@ -182,6 +182,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from flashdraft.run.launcher import launch
 
     path, overrides = _split_config(args.config, args.overrides)
+    if args.resume is not None and path is not None:
+        raise FlashdraftError(
+            f"--resume {args.resume}: a resumed run keeps its own config; give key=value overrides only, "
+            f"not {path}"
+        )
     env = {}
     for item in args.env:
         if "=" not in item:
@@ -200,6 +205,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         stall_seconds=args.stall_seconds,
         doctor=not args.skip_doctor,
         nproc_per_node=args.nproc_per_node,
+        resume=args.resume,
     )
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -213,6 +219,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         )
         if info.get("warning"):
             print(f"  warning: {info['warning']}")
+        if info.get("resume"):
+            print(f"  resume {info['resume']}")
     return 1 if info["state"] in ("failed", "killed", "lost") else 0
 
 
@@ -236,6 +244,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     print(
         f"run {info['run']}: {info['state']}" + (f" — {info['diagnosis']}" if info.get("diagnosis") else "")
     )
+    if info.get("resume"):
+        print(f"resume it with: {info['resume']}")
     return 0 if info["state"] in ("stopped", "finished", "killed", "failed") else 1
 
 
@@ -374,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
     p.add_argument(
         "--nproc-per-node", type=int, default=1, help="data-parallel processes (one per GPU) through torchrun"
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN",
+        help="continue a stopped, failed, killed or lost run in its own directory (its config, "
+        "train.resume=auto, its log); key=value overrides still apply",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_launch)

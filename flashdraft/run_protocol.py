@@ -134,7 +134,14 @@ class Heartbeat:
             return
         self.beat(phase="finished" if outcome == "finished" else self.state.get("phase"), force=True)
         write_record(
-            self.dir / "final.json", {"outcome": outcome, "time": time.time(), "pid": os.getpid(), **fields}
+            self.dir / "final.json",
+            {
+                "outcome": outcome,
+                "time": time.time(),
+                "pid": os.getpid(),
+                "rank": self.state.get("rank"),
+                **fields,
+            },
         )
 
     def error(self, exc: BaseException, traceback_text: str) -> None:
@@ -148,6 +155,7 @@ class Heartbeat:
                 "traceback": traceback_text,
                 "time": time.time(),
                 "pid": os.getpid(),
+                "rank": self.state.get("rank"),
                 "phase": self.state.get("phase"),
                 "step": self.state.get("step"),
             },

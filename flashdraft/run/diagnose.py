@@ -1,7 +1,9 @@
 """One-line diagnoses of a run, each with the evidence it rests on.
 
 Reads only the run directory (error.json, final.json, the log tail) and the exit code or signal, so a
-broken trainer can still be diagnosed. Order matters: the most specific cause wins.
+broken trainer can still be diagnosed. A record that could not be written as a file (a full disk) is
+read back from its `flashdraft: record:` line in the log (docs/run-files.md). Order matters: the most
+specific cause wins.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashdraft.run_protocol import read_json
+from flashdraft.durable import free_bytes
+from flashdraft.run_protocol import read_json, records_from_log
 
 LOG_NAME = "train.log"
+# A job that failed with less than this free beside its run directory is blamed on the full disk when
+# nothing more specific is known (its own error record may be what could not be written).
+FULL_DISK_BYTES = 16 * 2**20
 
 # (kind, regex over the log tail, how to say it); first match wins
 _LOG_PATTERNS: list[tuple[str, str, str]] = [
@@ -124,24 +130,57 @@ def _from_error_file(error: dict, rank: int) -> Diagnosis:
     )
 
 
-def _first_error_file(run_dir: Path) -> tuple[int, dict] | None:
-    """The earliest error.json across ranks: the root cause, as torchelastic reports it."""
+def _first_error_file(run_dir: Path, tail: list[str]) -> tuple[int, dict] | None:
+    """The earliest error record across ranks: the root cause, as torchelastic reports it. Files first;
+    the log's record lines stand in for files that a full disk kept from being written."""
     found = []
     for path in sorted(run_dir.glob("rank*/error.json")):
         data = read_json(path)
         if data:
             found.append((data.get("time", 0), int(path.parent.name.removeprefix("rank") or 0), data))
+    ranks = {rank for _, rank, _ in found}
+    for data in records_from_log(tail, "error.json"):
+        rank = int(data.get("rank") or 0)
+        if rank not in ranks:
+            found.append((data.get("time", 0), rank, data))
     if not found:
         return None
     _, rank, data = min(found, key=lambda item: item[0])
     return rank, data
 
 
-def diagnose_exit(run_dir: str | Path, exit_code: int | None, signal_name: str | None) -> Diagnosis:
-    """Why a job ended, from its exit record, its error files and its log."""
+def final_record(run_dir: str | Path, tail: list[str] | None = None) -> dict | None:
+    """Rank 0's final.json, or its record line in the log when the file could not be written."""
+    run_dir = Path(run_dir)
+    final = read_json(run_dir / "rank0" / "final.json")
+    if final is not None:
+        return final
+    records = records_from_log(log_tail(run_dir) if tail is None else tail, "final.json")
+    records = [r for r in records if int(r.get("rank") or 0) == 0]
+    return records[-1] if records else None
+
+
+def forced_stop_line(forced: dict) -> str:
+    """The diagnosis of a job that `flashdraft stop --force` killed (recorded by stop before SIGKILL)."""
+    return (
+        f"killed by flashdraft stop --force after {float(forced.get('after_s') or 0):.0f} s "
+        f"(the job did not stop gracefully: hung at phase {forced.get('phase')} step {forced.get('step')})"
+    )
+
+
+def diagnose_exit(
+    run_dir: str | Path,
+    exit_code: int | None,
+    signal_name: str | None,
+    forced_stop: dict | None = None,
+) -> Diagnosis:
+    """Why a job ended, from its exit record, its error files and its log. `forced_stop` is the record
+    `flashdraft stop --force` left in status.json before it sent SIGKILL."""
     run_dir = Path(run_dir)
     tail = log_tail(run_dir)
-    final = read_json(run_dir / "rank0" / "final.json") or {}
+    final = final_record(run_dir, tail) or {}
+    if forced_stop and signal_name in (None, "SIGKILL") and final.get("outcome") is None:
+        return Diagnosis("forced_stop", forced_stop_line(forced_stop), tail[-3:])
     if exit_code == 0:
         if final.get("outcome") == "stopped":
             return Diagnosis(
@@ -159,7 +198,7 @@ def diagnose_exit(run_dir: str | Path, exit_code: int | None, signal_name: str |
         step = (read_json(run_dir / "rank0" / "heartbeat.json") or {}).get("step")
         at = f" at step {step}" if step is not None else ""
         return Diagnosis("killed", f"killed by {signal_name}{at}{hints.get(signal_name, '')}", tail[-3:])
-    error = _first_error_file(run_dir)
+    error = _first_error_file(run_dir, tail)
     if error is not None:
         rank, data = error
         return _from_error_file(data, rank)
@@ -171,6 +210,13 @@ def diagnose_exit(run_dir: str | Path, exit_code: int | None, signal_name: str |
     for line in reversed(tail):  # the last exception line of a traceback
         if re.match(r"^[A-Za-z_.]+(Error|Exception|Interrupt)\b", line):
             return Diagnosis("exception", f"Python exception: {line.strip()}", [line.strip()])
+    free = free_bytes(run_dir)
+    if free is not None and free < FULL_DISK_BYTES:
+        return Diagnosis(
+            "disk_full",
+            f"disk full: exited with code {exit_code} with {free / 2**20:.1f} MiB free on {run_dir}",
+            tail[-3:],
+        )
     return Diagnosis(
         "failed",
         f"exited with code {exit_code}; last log line: {tail[-1].strip() if tail else '(empty log)'}",

@@ -4,12 +4,16 @@
 2. resolve and check the config (a typo'd key is recorded as the run's failure, with the evidence);
 3. run the doctor's fast checks; refuse GPUs that a live run holds;
 4. start the supervisor in a new session with stdin closed (it outlives ssh, tmux, nohup, container exec);
-5. return only when the job reports it is up, or has failed, with the reason
-   (../shared/reference/supervision.md §3.3).
+5. return only when the job reports it is up, or has failed, with the reason; at once when the
+   supervisor itself dies before that (docs/run-files.md, "Start-up").
+
+`launch --resume RUN` continues a stopped, failed, killed or lost run in its own directory: the same
+config with train.resume=auto, the same log (appended), a new supervisor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -20,10 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from flashdraft.config import dump_yaml, load_config
+from flashdraft.durable import atomic_write_bytes, atomic_write_text, disk_full_reason, fsync_dir, fsync_tree
 from flashdraft.errors import FlashdraftError
-from flashdraft.run.diagnose import LOG_NAME, classify_message
-from flashdraft.run.monitor import is_live, list_runs, run_state, runs_root
-from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, write_json
+from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
+from flashdraft.run.monitor import find_run, is_live, list_runs, run_state, runs_root
+from flashdraft.run.processes import start_time
+from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, write_json, write_record
 
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
@@ -33,6 +39,11 @@ ENV_KEYS = (
     "HF_HOME",
 )
 UP_PHASES = ("compiling", "training", "evaluating", "checkpointing", "finished")
+# Supervisor and job start through this script, not `python -m`: nothing of the launch directory on
+# sys.path (a user's json.py there would shadow the real module). It is run, never imported.
+ENTRY = str(Path(__file__).with_name("entry.py"))
+# What a resumed run leaves behind of its earlier attempt: kept under attempts/<n>/ for the record.
+ATTEMPT_FILES = ("status.json", "heartbeat.json", "final.json", "error.json")
 
 
 def _git_commit(cwd: Path) -> str | None:
@@ -73,7 +84,8 @@ def _gpus(device: str, env: dict[str, str], nproc: int = 1) -> list[str]:
 
 
 def _fail(run_dir: Path, log, message: str, kind: str | None = None) -> dict[str, Any]:
-    log.write(f"flashdraft: error: {message}\n".encode())
+    with contextlib.suppress(OSError):
+        log.write(f"flashdraft: error: {message}\n".encode())
     diagnosis = classify_message(message)
     status = read_json(run_dir / "status.json") or {}
     status.update(
@@ -83,10 +95,71 @@ def _fail(run_dir: Path, log, message: str, kind: str | None = None) -> dict[str
             "diagnosis": diagnosis.line,
             "diagnosis_kind": kind or diagnosis.kind,
             "evidence": [message],
+            "updated": time.time(),
         }
     )
-    write_json(run_dir / "status.json", status)
+    write_record(run_dir / "status.json", status)
     return run_state(run_dir)
+
+
+def _job_cmd(python: str, run_dir: Path, nproc_per_node: int) -> list[str]:
+    train = [ENTRY, "flashdraft", "train", str(run_dir / "config.yaml")]
+    if nproc_per_node > 1:  # one process per GPU; torchrun keeps per-rank logs in the run directory
+        return [
+            python,
+            "-X",
+            "faulthandler",
+            "-u",
+            ENTRY,
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--log-dir={run_dir / 'torchrun'}",
+            "--redirects=3",
+            "--tee=3",
+            *train,  # torchrun runs the workers as `python -u ENTRY flashdraft train ...`
+        ]
+    return [python, "-X", "faulthandler", "-u", *train]
+
+
+def _archive_attempt(run_dir: Path) -> Path:
+    """Move the earlier attempt's status, config and per-rank records to attempts/<n>/, so that the new
+    attempt starts from clean files and the old evidence stays readable."""
+    attempts = run_dir / "attempts"
+    number = 1 + sum(1 for p in attempts.glob("*") if p.name.isdigit()) if attempts.is_dir() else 1
+    dest = attempts / str(number)
+    dest.mkdir(parents=True)
+    if (run_dir / "status.json").exists():
+        os.replace(run_dir / "status.json", dest / "status.json")
+    # A copy: the run keeps its config until the new attempt's replaces it, so a resume that fails
+    # before that can itself be resumed.
+    atomic_write_bytes(dest / "config.yaml", (run_dir / "config.yaml").read_bytes())
+    for rank in sorted(run_dir.glob("rank*")):
+        for name in ATTEMPT_FILES:
+            if (rank / name).exists():
+                (dest / rank.name).mkdir(exist_ok=True)
+                os.replace(rank / name, dest / rank.name / name)
+    fsync_tree(dest)
+    fsync_dir(run_dir)
+    return dest
+
+
+def _resume_target(resume: str, runs_dir: str | None) -> Path:
+    """The run to continue, refused while any process of it lives."""
+    run_dir = find_run(resume, runs_dir)
+    info = run_state(run_dir)
+    if is_live(info):
+        running = f" (its job pid {info['job_pid']} still runs)" if info.get("job_alive") else ""
+        raise FlashdraftError(
+            f"--resume {resume}: run {run_dir.name} is {info['state']}{running}; "
+            f"stop it first (flashdraft stop {run_dir.name})"
+        )
+    if not (run_dir / "config.yaml").is_file():
+        raise FlashdraftError(
+            f"--resume {resume}: {run_dir} has no config.yaml (the run failed before its config was "
+            "resolved); start it anew with flashdraft launch CONFIG"
+        )
+    return run_dir
 
 
 def launch(
@@ -102,50 +175,53 @@ def launch(
     stall_seconds: float = 600.0,
     doctor: bool = True,
     nproc_per_node: int = 1,
+    resume: str | None = None,
 ) -> dict[str, Any]:
     env = dict(env or {})
-    root = runs_root(runs_dir)
-    stem = name or (Path(config_path).stem if config_path else "run")
-    run_id = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    run_dir = root / run_id
-    run_dir.mkdir(parents=True)
-    log = (run_dir / LOG_NAME).open("ab", buffering=0)  # the launcher owns the log, before anything can fail
-    log.write(
-        f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {config_path or ''} {' '.join(overrides)}\n".encode()
-    )
     cwd = Path.cwd()
-    job_python = python or sys.executable
-    train_args = ["-m", "flashdraft", "train", str(run_dir / "config.yaml")]
-    if nproc_per_node > 1:  # one process per GPU; torchrun keeps per-rank logs in the run directory
-        job_cmd = [
-            job_python,
-            "-X",
-            "faulthandler",
-            "-u",
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc_per_node}",
-            f"--log-dir={run_dir / 'torchrun'}",
-            "--redirects=3",
-            "--tee=3",
-            *train_args,
-        ]
+    if resume is not None:
+        if config_path is not None:
+            raise FlashdraftError(
+                f"--resume {resume}: a resumed run keeps its own config; give overrides only, not {config_path}"
+            )
+        run_dir = _resume_target(resume, runs_dir)
+        previous = read_json(run_dir / "launch.json") or {}
+        run_id = previous.get("run_id", run_dir.name)
+        config_path = str(_archive_attempt(run_dir) / "config.yaml")
+        overrides = ["train.resume=auto", *overrides]
+        env = {**previous.get("env", {}), **env}
+        python = python or previous.get("python")
+        nproc_per_node = int(previous.get("nproc_per_node", nproc_per_node))
+        cwd = Path(previous.get("cwd") or cwd)  # relative paths in its config meant the first launch's
     else:
-        job_cmd = [job_python, "-X", "faulthandler", "-u", *train_args]
+        root = runs_root(runs_dir)
+        stem = name or (Path(config_path).stem if config_path else "run")
+        run_id = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        run_dir = root / run_id
+        run_dir.mkdir(parents=True)
+        previous = {}
+    log = (run_dir / LOG_NAME).open("ab", buffering=0)  # the launcher owns the log, before anything can fail
+    command = (
+        f"--resume {run_dir.name} {' '.join(overrides)}"
+        if resume
+        else f"{config_path or ''} {' '.join(overrides)}"
+    )
+    log.write(f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {command}\n".encode())
+    job_python = python or sys.executable
     launch_record = {
+        **previous,
         "run_id": run_id,
         "run_dir": str(run_dir),
-        "created": time.time(),
+        "created": previous.get("created", time.time()),
         "argv": sys.argv,
-        "config": config_path,
+        "config": previous.get("config", config_path),
         "overrides": overrides,
         "cwd": str(cwd),
         "python": job_python,
         "host": socket.gethostname(),
         "boot_id": boot_id(),
         "git_commit": _git_commit(cwd),
-        "job_cmd": job_cmd,
+        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node),
         "stall_seconds": stall_seconds,
         "nproc_per_node": nproc_per_node,
         "env": {
@@ -154,16 +230,30 @@ def launch(
             **env,
         },
     }
-    write_json(run_dir / "launch.json", launch_record)
-    write_json(
-        run_dir / "status.json", {"state": "starting", "launcher_pid": os.getpid(), "boot_id": boot_id()}
-    )
+    if resume:
+        launch_record["resumed"] = [*previous.get("resumed", []), time.time()]
+    try:
+        write_json(run_dir / "launch.json", launch_record)
+        write_json(
+            run_dir / "status.json",
+            {
+                "state": "starting",
+                "launcher_pid": os.getpid(),
+                "launcher_started": start_time(os.getpid()),
+                "boot_id": boot_id(),
+                "updated": time.time(),
+            },
+        )
+    except OSError as exc:
+        raise FlashdraftError(
+            f"cannot write the run directory {run_dir}: {disk_full_reason(exc, run_dir) or exc}"
+        ) from None
 
     try:
         config = load_config(config_path, [*overrides, f"train.out_dir={run_dir}"])
     except FlashdraftError as exc:
         return _fail(run_dir, log, str(exc))
-    (run_dir / "config.yaml").write_text(dump_yaml(config))
+    atomic_write_text(run_dir / "config.yaml", dump_yaml(config))
     launch_record["gpus"] = _gpus(config.train.device, env, nproc_per_node)
     write_json(run_dir / "launch.json", launch_record)
 
@@ -175,7 +265,7 @@ def launch(
             log.write(f"doctor: ✗ {check.name}: {check.detail} — fix: {check.fix}\n".encode())
         if failed:
             return _fail(run_dir, log, failed[0].detail)
-    busy = [other for other in list_runs(root) if other != run_dir]
+    busy = [other for other in list_runs(run_dir.parent) if other != run_dir]
     for other in busy:
         info = run_state(other)
         shared = set(info.get("gpus") or []) & set(launch_record["gpus"])
@@ -188,26 +278,66 @@ def launch(
                 kind="gpu_busy",
             )
 
-    subprocess.Popen(
-        [sys.executable, "-m", "flashdraft.run.supervisor", str(run_dir)],
+    supervisor = subprocess.Popen(
+        [sys.executable, ENTRY, "flashdraft.run.supervisor", str(run_dir)],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
         close_fds=True,
-        cwd=cwd,
+        cwd=run_dir,  # nothing of the user's directory on its path (docs/run-files.md, "Start-up")
     )
     if not wait:
         return run_state(run_dir)
-    deadline = time.time() + wait_timeout
+    return _wait_until_up(run_dir, supervisor, log, wait_timeout)
+
+
+def _wait_until_up(run_dir: Path, supervisor: subprocess.Popen, log, timeout: float) -> dict[str, Any]:
+    """Until the job reports a phase past start-up, or the run ends; at once if the supervisor dies."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         info = run_state(run_dir)
         phases = {r["phase"] for r in info["ranks"].values()}
         if info["state"] in (*FINAL_STATES, "lost") or phases & set(UP_PHASES):
             return info
+        returncode = supervisor.poll()
+        if returncode is not None:
+            return _supervisor_ended(run_dir, returncode, log)
         time.sleep(0.3)
     info = run_state(run_dir)
     info["warning"] = (
-        f"not up after {wait_timeout:.0f} s (state {info['state']}); follow it with flashdraft logs {run_id} -f"
+        f"not up after {timeout:.0f} s (state {info['state']}); follow it with flashdraft logs {run_dir.name} -f"
     )
     return info
+
+
+def _supervisor_ended(run_dir: Path, returncode: int, log) -> dict[str, Any]:
+    """The supervisor exited while the launcher still waited for the job to come up."""
+    info = run_state(run_dir)  # it may have written a final status just before it exited
+    if info["state"] in FINAL_STATES:
+        return info
+    how = f"signal {signal_name(returncode)}" if returncode < 0 else f"code {returncode}"
+    if info["job_alive"]:
+        info["state"] = "lost"
+        info["diagnosis"] = (
+            f"lost: the supervisor exited ({how}) after starting the job; job pid {info['job_pid']} still "
+            f"runs (flashdraft stop {run_dir.name} ends it)"
+        )
+        return info
+    diagnosis = diagnose_exit(run_dir, returncode if returncode >= 0 else None, signal_name(returncode))
+    message = f"the supervisor died at start-up ({how}): {diagnosis.line}"
+    with contextlib.suppress(OSError):
+        log.write(f"flashdraft: error: {message}\n".encode())
+    status = read_json(run_dir / "status.json") or {}
+    status.update(
+        {
+            "state": "failed",
+            "ended": time.time(),
+            "diagnosis": message,
+            "diagnosis_kind": "supervisor_died",
+            "evidence": diagnosis.evidence,
+            "updated": time.time(),
+        }
+    )
+    write_record(run_dir / "status.json", status)
+    return run_state(run_dir)

@@ -1,8 +1,9 @@
 """Reading runs: find them, reconcile their state, show logs, stop them.
 
-State comes from reconciling what the files say with what the machine shows (SkyPilot-style,
-../shared/reference/supervision.md §3.3 item 5): a non-final status whose supervisor is gone is LOST;
-a live job whose heartbeat is older than the stall limit is STALLED.
+State comes from reconciling what the files say with what the machine shows (docs/run-files.md,
+"States"): a non-final status whose supervisor and job are gone is read from the job's own final record,
+else LOST; a live job whose heartbeat is older than the stall limit is STALLED. A pid counts only while
+its start time matches the recorded one.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from typing import Any
 import psutil
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.run.diagnose import LOG_NAME, log_tail
-from flashdraft.run_protocol import FINAL_STATES, RUN_ID_ENV, boot_id, read_json
+from flashdraft.run.diagnose import LOG_NAME, diagnose_exit, final_record, log_tail
+from flashdraft.run.processes import is_ours, signal_group, signal_process
+from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, records_from_log, write_record
+
+# How far back in the log `status` looks for record lines (the tail is also capped at 256 kB).
+LOG_RECORD_LINES = 2000
 
 PHASE_TO_STATE = {
     "starting": "starting",
@@ -59,26 +64,6 @@ def find_run(name: str, runs_dir: str | None = None) -> Path:
     raise FlashdraftError(f"'{name}' matches several runs: {', '.join(p.name for p in matches)}")
 
 
-def _alive(pid: int | None, *, run_id: str | None = None, cmd_marker: str | None = None) -> bool:
-    """Alive and really ours: guards against pid reuse by the run id in the environment or the command line."""
-    if not pid:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        if cmd_marker is not None and cmd_marker not in " ".join(proc.cmdline()):
-            return False
-        if run_id is not None:
-            try:
-                return proc.environ().get(RUN_ID_ENV) == run_id
-            except (psutil.AccessDenied, psutil.ZombieProcess):
-                return True
-        return True
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-
-
 def gpu_usage() -> list[dict[str, Any]]:
     """Utilisation and memory per GPU through NVML (nvidia-ml-py), when present."""
     try:
@@ -108,10 +93,47 @@ def gpu_usage() -> list[dict[str, Any]]:
     return gpus
 
 
+def current_status(run_dir: Path, tail: list[str] | None = None) -> dict[str, Any]:
+    """status.json, or the newer status record that the supervisor could only print to the log when the
+    file could not be written (a full disk). `updated` orders the two."""
+    status = read_json(run_dir / "status.json") or {}
+    records = records_from_log(log_tail(run_dir, LOG_RECORD_LINES) if tail is None else tail, "status.json")
+    if records and records[-1].get("updated", 0) > status.get("updated", 0):
+        status = {**status, **records[-1]}
+    return status
+
+
+def resume_command(run_dir: Path) -> str:
+    """The one command that continues a run in its own directory."""
+    where = "" if run_dir.parent == runs_root() else f" --runs-dir {run_dir.parent}"
+    return f"flashdraft launch --resume {run_dir.name}{where}"
+
+
+def _reconcile_without_supervisor(run_dir: Path, status: dict[str, Any], tail: list[str]) -> dict[str, Any]:
+    """The outcome of a job whose supervisor is gone and which has ended too: from its final record
+    (file or log line) or from the forced stop that `flashdraft stop --force` recorded before SIGKILL."""
+    final = final_record(run_dir, tail)
+    forced = status.get("forced_stop")
+    if final is None and not forced:
+        return {}
+    outcome = (final or {}).get("outcome")
+    exit_code = 0 if outcome in ("finished", "stopped") else None if final is None else 1
+    sig = "SIGKILL" if final is None else None
+    diagnosis = diagnose_exit(run_dir, exit_code, sig, forced_stop=forced)
+    state = "killed" if sig else {"finished": "finished", "stopped": "stopped"}.get(outcome, "failed")
+    return {
+        "state": state,
+        "signal": sig,
+        "diagnosis": f"{diagnosis.line} (its supervisor was gone; read from the job's own records)",
+        "evidence": diagnosis.evidence,
+    }
+
+
 def run_state(run_dir: Path) -> dict[str, Any]:
     """Everything `status` shows about one run, reconciled with the live machine."""
     launch = read_json(run_dir / "launch.json") or {}
-    status = read_json(run_dir / "status.json") or {}
+    tail = log_tail(run_dir, LOG_RECORD_LINES)
+    status = current_status(run_dir, tail)
     heartbeats = {
         int(p.parent.name.removeprefix("rank")): read_json(p)
         for p in sorted(run_dir.glob("rank*/heartbeat.json"))
@@ -127,6 +149,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
         "signal": status.get("signal"),
         "supervisor_pid": status.get("supervisor_pid"),
         "job_pid": status.get("job_pid"),
+        "job_alive": False,
         "ranks": {
             r: {
                 "phase": hb.get("phase"),
@@ -154,18 +177,37 @@ def run_state(run_dir: Path) -> dict[str, Any]:
         info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])
     state = status.get("state", "starting")
     diagnosis = status.get("diagnosis")
+    info["evidence"] = status.get("evidence", [])
     if state not in FINAL_STATES:
         same_boot = status.get("boot_id") in (None, boot_id())
-        supervisor_alive = same_boot and _alive(status.get("supervisor_pid"), cmd_marker=str(run_dir))
-        job_alive = same_boot and _alive(status.get("job_pid"), run_id=launch.get("run_id"))
-        launcher_alive = _alive(status.get("launcher_pid"))
+        # Every pid is checked against its recorded start time: a reused pid is not the run's process.
+        supervisor_alive = same_boot and is_ours(
+            status.get("supervisor_pid"), status.get("supervisor_started"), marker=str(run_dir)
+        )
+        job_alive = same_boot and is_ours(
+            status.get("job_pid"), status.get("job_started"), run_id=launch.get("run_id")
+        )
+        launcher_alive = same_boot and is_ours(status.get("launcher_pid"), status.get("launcher_started"))
+        info["job_alive"] = job_alive
         age = now - hb0["time"] if hb0 else None
         stall = float(launch.get("stall_seconds", 600))
-        if not supervisor_alive and not launcher_alive:
+        reconciled = {}
+        if not (supervisor_alive or launcher_alive or job_alive):
+            reconciled = _reconcile_without_supervisor(run_dir, status, tail)
+        if reconciled:
+            state, diagnosis, info["signal"] = (
+                reconciled["state"],
+                reconciled["diagnosis"],
+                reconciled["signal"],
+            )
+            info["evidence"] = reconciled["evidence"]
+        elif not supervisor_alive and not launcher_alive:
             state = "lost"
             why = "the host rebooted" if not same_boot else "its supervisor is gone"
             diagnosis = f"lost: {why} without a final status" + (
-                f"; job pid {status.get('job_pid')} still runs" if job_alive else ""
+                f"; job pid {status.get('job_pid')} still runs (flashdraft stop {run_dir.name} ends it)"
+                if job_alive
+                else ""
             )
         elif job_alive and age is not None and age > stall:
             state = "stalled"
@@ -179,13 +221,15 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             state = "starting"
     info["state"] = state
     info["diagnosis"] = diagnosis
-    info["evidence"] = status.get("evidence", [])
-    info["last_log_line"] = next((line for line in reversed(log_tail(run_dir, 20)) if line.strip()), "")
+    if state in (*FINAL_STATES, "lost") and not info["job_alive"] and state != "finished":
+        info["resume"] = resume_command(run_dir)
+    info["last_log_line"] = next((line for line in reversed(tail[-20:]) if line.strip()), "")
     return info
 
 
 def is_live(info: dict[str, Any]) -> bool:
-    return info["state"] not in (*FINAL_STATES, "lost")
+    """Whether the run still has (or is about to have) a process: a lost run whose job runs on is live."""
+    return info["state"] not in (*FINAL_STATES, "lost") or bool(info.get("job_alive"))
 
 
 def rank_logs(run_dir: Path, rank: int) -> list[Path]:
@@ -241,36 +285,63 @@ def _torchrun_workers(job_pid: int | None) -> list[psutil.Process]:
     return workers
 
 
+def _append_log(run_dir: Path, message: str) -> None:
+    """A line of `stop`'s in the run log, beside the job's own (best effort: the log may be on a full disk)."""
+    with contextlib.suppress(OSError), (run_dir / LOG_NAME).open("a") as handle:
+        handle.write(f"[stop {time.strftime('%H:%M:%S')}] {message}\n")
+
+
+def _signal_job(run_dir: Path, status: dict[str, Any], signum: int) -> bool:
+    """Signal the run's job, only after checking that its pid is still the job that was started."""
+    run_id = (read_json(run_dir / "launch.json") or {}).get("run_id")
+    job_pid, started = status.get("job_pid"), status.get("job_started")
+    if not is_ours(job_pid, started, run_id=run_id):
+        return False
+    workers = _torchrun_workers(job_pid)
+    if workers and signum == signal.SIGTERM:  # signal the ranks, not torchrun: it would count its own
+        for worker in workers:  # SIGTERM as a failure
+            signal_process(worker, signum)
+        sent = True
+    else:
+        sent = signal_group(job_pid, started, signum, run_id=run_id)
+    if sent:
+        _append_log(run_dir, f"{signal.Signals(signum).name} to job pid {job_pid} (flashdraft stop)")
+    return sent
+
+
+def _wait_until_ended(run_dir: Path, timeout: float) -> dict[str, Any]:
+    deadline = time.time() + timeout
+    info = run_state(run_dir)
+    while is_live(info) and time.time() < deadline:
+        time.sleep(0.5)
+        info = run_state(run_dir)
+    return info
+
+
 def stop_run(run_dir: Path, *, force: bool = False, timeout: float = 300.0) -> dict[str, Any]:
     """Graceful: SIGTERM lets the trainer finish its step and checkpoint. With `force`, SIGKILL the job's
-    process group if it has not ended within `timeout`."""
+    process group if it has not ended within `timeout`, after recording in status.json that stop did so.
+    A job whose supervisor is gone is stopped the same way. No signal goes to a pid that is not verified
+    to be the run's job (docs/run-files.md, "Process identity")."""
     info = run_state(run_dir)
     if not is_live(info):
         return info
-    status = read_json(run_dir / "status.json") or {}
-    pgid = status.get("job_pgid")
-    if not pgid:
+    status = current_status(run_dir)
+    if not status.get("job_pid"):
         raise FlashdraftError(f"run {run_dir.name}: no job process recorded yet (state {info['state']})")
-    workers = _torchrun_workers(status.get("job_pid"))
-    if workers:  # signal the ranks, not torchrun: it would treat its own SIGTERM as a failure
-        for worker in workers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                worker.send_signal(signal.SIGTERM)
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        info = run_state(run_dir)
-        if not is_live(info):
-            return info
-        time.sleep(0.5)
-    if force:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        for _ in range(60):
-            info = run_state(run_dir)
-            if not is_live(info):
-                break
-            time.sleep(0.5)
-    return run_state(run_dir)
+    _signal_job(run_dir, status, signal.SIGTERM)
+    info = _wait_until_ended(run_dir, timeout)
+    if force and is_live(info):
+        heartbeat = read_json(run_dir / "rank0" / "heartbeat.json") or {}
+        forced = {
+            "time": time.time(),
+            "after_s": timeout,
+            "phase": heartbeat.get("phase"),
+            "step": heartbeat.get("step"),
+        }
+        # Recorded before the signal, so whoever diagnoses the SIGKILL (supervisor or status) knows its cause.
+        status = {**current_status(run_dir), "forced_stop": forced, "updated": time.time()}
+        write_record(run_dir / "status.json", status)
+        _signal_job(run_dir, status, signal.SIGKILL)
+        info = _wait_until_ended(run_dir, 30.0)
+    return info

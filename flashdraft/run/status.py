@@ -73,6 +73,11 @@ def show_status(run: str | None, *, runs_dir: str | None = None, as_json: bool =
         for line in info.get("evidence") or []:
             console.print(f"evidence: {line}")
         console.print(f"last log line: {info['last_log_line']}")
+    for (
+        info
+    ) in infos:  # stopped, failed, killed or lost (and nothing of it running): one command continues it
+        if info.get("resume"):
+            console.print(f"{info['run']}: resume with {info['resume']}", soft_wrap=True)
     for g in gpus:
         console.print(
             f"GPU {g['index']}: {g['util_percent']}% util, {g['memory_used_GiB']}/{g['memory_total_GiB']} GiB"

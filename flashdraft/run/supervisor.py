@@ -1,9 +1,14 @@
-"""The per-run supervisor: `python -m flashdraft.run.supervisor RUN_DIR`.
+"""The per-run supervisor: `python flashdraft/run/entry.py flashdraft.run.supervisor RUN_DIR`.
 
-Started by `launch` in a new session with stdin closed and stdout/stderr on the run log, so it outlives
-the shell, ssh or container exec that launched it and ignores their hangup. It starts the job, records
-its pid, waits, and writes the exit code or signal and a diagnosis to status.json atomically
-(../shared/reference/supervision.md §3.3).
+Started by `launch` in a new session with stdin closed, stdout/stderr on the run log and the run
+directory as its working directory, so it outlives the shell, ssh or container exec that launched it,
+ignores their hangup, and imports nothing from the user's directory. It starts the job, records its pid
+and start time, waits, and writes the exit code or signal and a diagnosis to status.json.
+
+It must not die of its own faults (docs/run-files.md, "Full disk"): every status write goes through
+`write_record` (retry, then one record line in the log, which `status` reads back), the final one after
+releasing a small reserve file kept for that moment, and anything unexpected is logged with its
+traceback and recorded as the supervisor's failure instead of ending it silently.
 """
 
 from __future__ import annotations
@@ -14,26 +19,73 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
+from flashdraft.durable import atomic_write_bytes
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
-from flashdraft.run_protocol import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_json
+from flashdraft.run.processes import start_time
+from flashdraft.run_protocol import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_record
+
+# Kept on disk while the job runs and removed just before the final status is written: on a disk the
+# job filled, the final record then still has room (a status.json is a few KiB).
+RESERVE_NAME = ".supervisor-reserve"
+RESERVE_BYTES = 64 * 2**10
 
 
 def _log(handle, message: str) -> None:
-    handle.write(f"[supervisor {time.strftime('%H:%M:%S')}] {message}\n".encode())
-    handle.flush()
+    with contextlib.suppress(OSError, ValueError):  # a full disk must not end the supervisor
+        handle.write(f"[supervisor {time.strftime('%H:%M:%S')}] {message}\n".encode())
+        handle.flush()
+
+
+def _record(run_dir: Path, status: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """Merge `changes` into the current status.json (others, e.g. `stop --force`, also write it) and
+    write it, tolerating a full disk. `updated` orders the file against record lines in the log."""
+    status = {**status, **(read_json(run_dir / "status.json") or {}), **changes, "updated": time.time()}
+    write_record(run_dir / "status.json", status)
+    return status
 
 
 def supervise(run_dir: Path) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a hangup of whoever launched us is not our concern
-    launch = read_json(run_dir / "launch.json")
-    status = read_json(run_dir / "status.json") or {}
     log = (run_dir / LOG_NAME).open("ab", buffering=0)
-    status.update(
-        {"state": "starting", "supervisor_pid": os.getpid(), "boot_id": boot_id(), "started": time.time()}
+    try:
+        return _supervise(run_dir, log)
+    except BaseException as exc:
+        text = traceback.format_exc()
+        _log(log, f"supervisor failed: {type(exc).__name__}: {exc}\n{text}")
+        (run_dir / RESERVE_NAME).unlink(missing_ok=True)
+        changes: dict[str, Any] = {"supervisor_error": f"{type(exc).__name__}: {exc}"}
+        if not (read_json(run_dir / "status.json") or {}).get("job_pid"):
+            changes.update(
+                state="failed",
+                ended=time.time(),
+                diagnosis=f"the supervisor failed before starting the job: {type(exc).__name__}: {exc}",
+                diagnosis_kind="supervisor_error",
+                evidence=text.strip().splitlines()[-3:],
+            )
+        # else the job runs on without us: `status` says so, and `stop` can still end it
+        _record(run_dir, {}, **changes)
+        return 1
+
+
+def _supervise(run_dir: Path, log) -> int:
+    launch = read_json(run_dir / "launch.json")
+    if launch is None:
+        raise RuntimeError(f"cannot read {run_dir / 'launch.json'}")
+    status = _record(
+        run_dir,
+        {},
+        state="starting",
+        supervisor_pid=os.getpid(),
+        supervisor_started=start_time(os.getpid()),
+        boot_id=boot_id(),
+        started=time.time(),
     )
-    write_json(run_dir / "status.json", status)
+    with contextlib.suppress(OSError):
+        atomic_write_bytes(run_dir / RESERVE_NAME, bytes(RESERVE_BYTES))
 
     env = {
         **os.environ,
@@ -60,32 +112,35 @@ def supervise(run_dir: Path) -> int:
         message = f"cannot start the job: interpreter or program not found: {cmd[0]} ({exc.strerror})"
         _log(log, message)
         diagnosis = classify_message(message)
-        status.update(
-            {
-                "state": "failed",
-                "ended": time.time(),
-                "exit_code": None,
-                "signal": None,
-                "diagnosis": diagnosis.line,
-                "diagnosis_kind": "missing_interpreter",
-                "evidence": [message],
-            }
+        (run_dir / RESERVE_NAME).unlink(missing_ok=True)
+        _record(
+            run_dir,
+            status,
+            state="failed",
+            ended=time.time(),
+            exit_code=None,
+            signal=None,
+            diagnosis=diagnosis.line,
+            diagnosis_kind="missing_interpreter",
+            evidence=[message],
         )
-        write_json(run_dir / "status.json", status)
         return 1
 
     def forward(signum, _frame):  # `stop` signals the job directly; a signal to us is passed on
         _log(log, f"received {signal.Signals(signum).name}; forwarding to the job")
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signum)
+            os.killpg(job.pid, signum)  # our own child, not yet reaped: its pid cannot have been reused
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    status.update({"state": "running", "job_pid": job.pid, "job_pgid": job.pid})
-    write_json(run_dir / "status.json", status)
+    status = _record(
+        run_dir, status, state="running", job_pid=job.pid, job_pgid=job.pid, job_started=start_time(job.pid)
+    )
     returncode = job.wait()
     sig = signal_name(returncode)
-    diagnosis = diagnose_exit(run_dir, returncode if returncode >= 0 else None, sig)
+    (run_dir / RESERVE_NAME).unlink(missing_ok=True)  # room for what follows, on a disk the job filled
+    forced = (read_json(run_dir / "status.json") or status).get("forced_stop")
+    diagnosis = diagnose_exit(run_dir, returncode if returncode >= 0 else None, sig, forced_stop=forced)
     if returncode == 0:
         state = "stopped" if diagnosis.kind == "stopped" else "finished"
     else:
@@ -93,19 +148,17 @@ def supervise(run_dir: Path) -> int:
     _log(
         log, f"job exited: {'signal ' + sig if sig else 'code ' + str(returncode)}; {state}: {diagnosis.line}"
     )
-    status = read_json(run_dir / "status.json") or status
-    status.update(
-        {
-            "state": state,
-            "ended": time.time(),
-            "exit_code": returncode if returncode >= 0 else None,
-            "signal": sig,
-            "diagnosis": diagnosis.line,
-            "diagnosis_kind": diagnosis.kind,
-            "evidence": diagnosis.evidence,
-        }
+    _record(
+        run_dir,
+        status,
+        state=state,
+        ended=time.time(),
+        exit_code=returncode if returncode >= 0 else None,
+        signal=sig,
+        diagnosis=diagnosis.line,
+        diagnosis_kind=diagnosis.kind,
+        evidence=diagnosis.evidence,
     )
-    write_json(run_dir / "status.json", status)
     return 0
 
 

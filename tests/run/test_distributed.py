@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .test_faults import FLASHDRAFT, final, launch, setup, status, wait_for  # noqa: F401 - fixtures and helpers
+from .test_faults import FLASHDRAFT, fault, final, launch, status, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def _losses(out) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"}
 
 
-def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):  # noqa: F811
+def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
     common = [
         f"{k}={v}"
         for k, v in {
@@ -72,8 +72,8 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
         )
 
 
-def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):  # noqa: F811
-    info = launch(setup, "--nproc-per-node", "2", "--env", "FLASHDRAFT_FAULT=raise@3:1")
+def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):
+    info = launch(setup, "--nproc-per-node", "2", *fault("raise@3:1"))
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "failed" and "Python exception on rank 1, step 3" in info["diagnosis"]
     out = subprocess.run(
@@ -84,12 +84,12 @@ def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):  # noqa: F811
     assert "injected failure at step 3" in out.stdout
 
 
-def test_healthy_two_process_launch(setup):  # noqa: F811
+def test_healthy_two_process_launch(setup):
     info = wait_for(setup, launch(setup, "--nproc-per-node", "2")["run"], final)
     assert info["state"] == "finished" and info["step"] == 12 and set(info["ranks"]) == {"0", "1"}
 
 
-def test_stop_of_a_two_process_run_checkpoints_and_ends_cleanly(setup):  # noqa: F811
+def test_stop_of_a_two_process_run_checkpoints_and_ends_cleanly(setup):
     from pathlib import Path
 
     info = launch(setup, "--nproc-per-node", "2", "train.max_steps=100000", "train.save_every=100000")

@@ -1,0 +1,86 @@
+"""Fault injection for the supervision tests; it lives with the tests, flashdraft knows nothing of it.
+
+FLASHDRAFT_TEST_FAULT selects one fault:
+
+    kill@N | raise@N | hang@N | oom@N   at the heartbeat of training step N (`:R` for rank R only)
+    diskfull@N                          fill the run directory's filesystem as step N's checkpoint begins
+    supervisor-dies                     the supervisor exits at start-up, before it reads anything
+
+Step faults wrap `flashdraft.run_protocol.Heartbeat.beat`, which the trainer calls with `step=` after
+every optimizer step and with phase "checkpointing" before each checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import time
+
+FAULT_ENV = "FLASHDRAFT_TEST_FAULT"
+FILLER_NAME = "disk-filler"
+
+
+def fill_filesystem(directory: str) -> None:
+    """Write a file in `directory` until its filesystem has no byte left (a real ENOSPC for what follows)."""
+    with open(os.path.join(directory, FILLER_NAME), "wb", buffering=0) as handle:
+        for chunk in (2**20, 2**12, 1):
+            try:
+                while True:
+                    handle.write(b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+
+
+def _trigger(what: str, step: int) -> None:
+    print(f"test fault: {what} at step {step}", file=sys.stderr, flush=True)
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "raise":
+        raise RuntimeError(f"injected failure at step {step}")
+    if what == "hang":
+        while True:
+            time.sleep(1)
+    if what == "oom":
+        import torch
+
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate 20.00 GiB (injected at step {step}). "
+            "GPU 0 has a total capacity of 139.80 GiB"
+        )
+    raise ValueError(f"{FAULT_ENV}: unknown fault {what!r}")
+
+
+def install() -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == "supervisor-dies":
+        if "flashdraft.run.supervisor" in " ".join(sys.orig_argv):
+            print("test fault: the supervisor dies at start-up", file=sys.stderr, flush=True)
+            os._exit(3)
+        return
+    if "@" not in spec:
+        return
+    what, at = spec.split("@", 1)
+    at, _, only_rank = at.partition(":")
+    step_at, rank_at = int(at), int(only_rank) if only_rank else None
+
+    from flashdraft.run_protocol import Heartbeat
+
+    beat = Heartbeat.beat
+
+    def faulty_beat(self, phase=None, force=False, **fields):
+        beat(self, phase, force, **fields)
+        if self.state.get("step") != step_at or rank_at not in (None, self.state.get("rank")):
+            return
+        if what == "diskfull":
+            if phase == "checkpointing" and self.dir is not None:
+                fill_filesystem(str(self.dir.parent))
+        elif "step" in fields:
+            beat(
+                self, force=True
+            )  # the heartbeat file shows the step the fault fired at (beats are throttled)
+            _trigger(what, step_at)
+
+    Heartbeat.beat = faulty_beat
