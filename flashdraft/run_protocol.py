@@ -28,7 +28,6 @@ from flashdraft.durable import atomic_write_json
 
 RUN_DIR_ENV = "FLASHDRAFT_RUN_DIR"
 RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
-FAULT_ENV = "FLASHDRAFT_FAULT"
 
 # Phases a trainer reports; states the supervisor and `status` report.
 PHASES = (
