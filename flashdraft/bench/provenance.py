@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
 import time
 from typing import Any
 
 import torch
 import transformers
 
-
-def git_commit() -> str | None:
-    """FLASHDRAFT_GIT_COMMIT when set (the device machine's copy of the tree has no .git), else HEAD."""
-    if os.environ.get("FLASHDRAFT_GIT_COMMIT"):
-        return os.environ["FLASHDRAFT_GIT_COMMIT"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return head.stdout.strip() or None
+from flashdraft.provenance import git_commit
 
 
 def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:

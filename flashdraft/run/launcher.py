@@ -26,6 +26,7 @@ from typing import Any
 from flashdraft.config import dump_yaml, load_config
 from flashdraft.durable import atomic_write_bytes, atomic_write_text, disk_full_reason, fsync_dir, fsync_tree
 from flashdraft.errors import FlashdraftError
+from flashdraft.provenance import git_commit
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
 from flashdraft.run.monitor import find_run, is_live, list_runs, run_state, runs_root
 from flashdraft.run.processes import start_time
@@ -44,16 +45,6 @@ UP_PHASES = ("compiling", "training", "evaluating", "checkpointing", "finished")
 ENTRY = str(Path(__file__).with_name("entry.py"))
 # What a resumed run leaves behind of its earlier attempt: kept under attempts/<n>/ for the record.
 ATTEMPT_FILES = ("status.json", "heartbeat.json", "final.json", "error.json")
-
-
-def _git_commit(cwd: Path) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _gpus(device: str, env: dict[str, str], nproc: int = 1) -> list[str]:
@@ -220,7 +211,7 @@ def launch(
         "python": job_python,
         "host": socket.gethostname(),
         "boot_id": boot_id(),
-        "git_commit": _git_commit(cwd),
+        "git_commit": git_commit(cwd),
         "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node),
         "stall_seconds": stall_seconds,
         "nproc_per_node": nproc_per_node,
