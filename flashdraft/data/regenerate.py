@@ -1,5 +1,5 @@
 """Regeneration: every assistant turn replaced by the target's own continuation of the conversation so far
-(DFlash drafters are trained on target-generated responses, ../shared/reference/dflash.md §3.1).
+(DFlash drafters are trained on target-generated responses, docs/dflash.md §3).
 
 Two engines: `LocalEngine` generates in-process with the target (length-sorted batches; static KV cache
 and compiled decoding on a GPU), `ServerEngine` asks any OpenAI-compatible server the user already runs

@@ -3,7 +3,7 @@
 The mask covers exactly the tokens the model generates for each assistant turn: its content and the
 end-of-turn token, never the template's header ("<|im_start|>assistant\\n") nor what the template adds
 after the end-of-turn token ("\\n"). A mask off by one token, or a template rendered differently from
-serving, silently ruins acceptance (../shared/reference/training-infra.md §3).
+serving, silently ruins acceptance (docs/dflash.md §4, trap 6).
 
 Spans come from rendering prefixes, never from searching decoded text: for assistant turn i, the
 template renders messages[:i] with the generation prompt (what the server feeds the model) and

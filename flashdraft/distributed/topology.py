@@ -1,7 +1,7 @@
 """Process topology for data-parallel training: one process per GPU under torchrun (multi-node is
 torchrun's job). Each process holds the target and a drafter replica on its own GPU; gradients are
 summed across processes after the local backward, so N processes with batch b train exactly like one
-process with batch N·b (../shared/reference/supervision.md §1.4: processes, never threads).
+process with batch N·b (docs/processes.md: processes, never threads).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Attention kernels and the DFlash attention masks, in two exact forms.
 
-The rule (../shared/reference/dflash.md §1.7, §3.2), for a query at block position k of block n
+The rule (docs/dflash.md §1, §3), for a query at block position k of block n
 (anchor a_n, absolute position a_n + k):
   * context key at absolute position p: visible iff p < a_n (strictly before the anchor: the anchor's
     own target feature does not exist at inference time);
@@ -104,7 +104,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, sca
     if BlockMask is not None and isinstance(mask, BlockMask):
         if not torch.compiler.is_compiling():
             # Eager flex_attention materialises the full score matrix and OOMs on real shapes
-            # (../shared/reference/gpu-machine.md, supervision.md §1.5): never let it run silently.
+            # (docs/processes.md): never let it run silently.
             raise FlashdraftError(
                 "flex_attention was called outside torch.compile (it would fall back to dense attention); "
                 "compile the drafter with flashdraft.distributed.parallelize.compile_drafter or use attention=sdpa"

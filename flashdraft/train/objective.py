@@ -1,4 +1,4 @@
-"""The DFlash training objective (../shared/reference/dflash.md §3.2).
+"""The DFlash training objective (docs/dflash.md §3).
 
 Per sequence: sample N anchors among supervised positions with room for a block (fresh each epoch);
 blocks are [x_anchor, MASK x (B-1)] at positions anchor..anchor+B-1; block position k >= 1 predicts
