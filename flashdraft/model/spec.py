@@ -1,7 +1,7 @@
 """The DFlash fields of a drafter config.json, read and checked the way z-lab, SGLang and vLLM read them.
 
-A field may live in `dflash_config` or at the top level (z-lab's `_draft_value`, §2.2 of
-docs/dflash.md §1, §2); `dflash_config` wins.
+A field may live in `dflash_config` or at the top level, as z-lab's `_draft_value` reads it
+(docs/dflash.md §2); `dflash_config` wins.
 """
 
 from __future__ import annotations
