@@ -244,7 +244,14 @@ def test_healthy_run_shows_progress_and_stop_leaves_a_resumable_checkpoint(setup
     stopped_at = int(ckpt.name.split("-")[1])
     assert stopped_at >= 3
     resumed = wait_for(
-        setup, launch(setup, f"train.resume={ckpt}", f"train.max_steps={stopped_at + 2}")["run"], final
+        setup,
+        launch(
+            setup,
+            f"train.resume={ckpt}",
+            f"train.max_steps={stopped_at + 2}",  # a shorter schedule than the checkpoint's: allowed explicitly
+            "train.resume_allow_changes=true",
+        )["run"],
+        final,
     )
     assert resumed["state"] == "finished" and resumed["step"] == stopped_at + 2
     assert f"resumed from {ckpt} at step {stopped_at}" in assert_clean(resumed)
