@@ -253,6 +253,7 @@ class DecodingCache:
         self._saved: dict[int, tuple[dict[int, Tensor], ...]] = {}  # conv, recurrent states by slot
         self._inputs: dict[int, tuple[tuple, dict]] = {}
         self._length = 0  # positions in the last forward
+        self._prefilled = False  # the first forward (the prompt) is always kept whole
 
     @property
     def has_recurrent_layers(self) -> bool:
@@ -262,8 +263,8 @@ class DecodingCache:
     def recording(self, length: int) -> Iterator[None]:
         """Around a forward over `length` new positions: keep what a rollback of them needs."""
         self._saved, self._inputs, self._length = {}, {}, length
-        if not self._mixers or length == 1:
-            yield  # nothing to roll back: a forward over one position is always kept
+        if not self._mixers or length == 1 or not self._prefilled:
+            yield  # nothing to roll back: the prompt and a single position are always kept
             return
         handles = []
         for index, mixer in self._mixers.items():
@@ -305,4 +306,4 @@ class DecodingCache:
                         *_shorten(args, self._length, kept),
                         **{k: _shorten(v, self._length, kept) for k, v in kwargs.items()},
                     )
-        self._saved, self._inputs, self._length = {}, {}, kept
+        self._saved, self._inputs, self._length, self._prefilled = {}, {}, kept, True
