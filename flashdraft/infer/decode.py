@@ -1,10 +1,11 @@
-"""Speculative decoding with a DFlash drafter, batch size 1 (../shared/reference/dflash.md §4.1).
+"""Speculative decoding with a DFlash drafter, batch size 1 (docs/decoding.md).
 
 Per step: one draft forward over [anchor, MASK x (B-1)] (the draft cache holds only the injected
 context K/V; the block's K/V are never stored), one target verify forward over the block, acceptance,
-target cache crop, and the accepted tokens' target features become the next step's new context.
-block_size=1 skips the drafter entirely: plain autoregressive decoding through the same code, which
-is the speedup baseline.
+target cache rollback to the accepted prefix (every layer kind: full and sliding attention, recurrent
+linear attention; see DecodingCache), and the accepted tokens' target features become the next step's
+new context. block_size=1 skips the drafter entirely: plain autoregressive decoding through the same
+code, which is the speedup baseline.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
-from flashdraft.errors import FlashdraftError
 from flashdraft.infer.sampling import (
     check_sampling,
     greedy_accept,
@@ -27,7 +26,7 @@ from flashdraft.infer.sampling import (
 )
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel, DraftCache
-from flashdraft.model.target import TargetModel
+from flashdraft.model.target import DecodingCache, TargetModel
 
 
 @dataclass
@@ -63,23 +62,6 @@ def _single_block_masks(
     return {k.key: dense_mask(anchors, keep, positions, block, k) for k in set(kinds)}
 
 
-def _crop(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions; `crop(-n)` (remove n) means the same in every transformers 4.x/5.x."""
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-def _check_target(target: TargetModel) -> None:
-    types = getattr(target.config, "layer_types", None) or []
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise FlashdraftError(
-            f"{target.name}: has recurrent (linear-attention) layers, whose state cannot be rolled back after a "
-            "rejected draft in the transformers backend; evaluate this target with SGLang "
-            "(--mamba-scheduler-strategy extra_buffer) or vLLM"
-        )
-
-
 @torch.inference_mode()
 def generate(
     target: TargetModel,
@@ -98,7 +80,7 @@ def generate(
     """Generate up to `max_new_tokens` after `input_ids` [1, P]. `draft_sampling` ('sample' or 'argmax')
     chooses how drafts are proposed at temperature > 0; either way the output follows the target."""
     check_sampling(temperature, top_p, top_k)
-    _check_target(target)
+    cache = DecodingCache(target)  # refuses, with the reason, a target whose cache cannot be rolled back
     with decoding_attention_kernels():  # a new key length every step: see decoding_attention_kernels
         block = 1 if drafter is None else (block_size or drafter.block_size)
         if drafter is not None:
@@ -120,13 +102,13 @@ def generate(
         mask_id = drafter.mask_token_id if drafter is not None else 0
         output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
         output[:prompt_len] = input_ids[0]
-        cache = DynamicCache(config=target.model.config)
         draft_cache = DraftCache()
 
         started = _sync(device)
         logits, features = target.forward_cached(
             input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1
         )
+        cache.keep(prompt_len)
         output[prompt_len] = pick(logits[0, -1])
         context = features  # target features of committed tokens not yet in the draft cache
         result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
@@ -175,7 +157,7 @@ def generate(
                     produced, stopped = i + 1, True
                     break
             start += produced
-            _crop(cache, start)  # the bonus token's K/V are computed by the next verify
+            cache.keep(produced)  # anchor + accepted drafts; the bonus token is the next verify's anchor
             result.accepted.append(produced)
             context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
         result.decode_seconds = _sync(device) - started

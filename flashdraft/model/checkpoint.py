@@ -237,8 +237,11 @@ def load_drafter(
             )
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    model.rotary_emb = type(model.rotary_emb)(config).to(device)  # recompute inv_freq off the meta device
-    return model.to(dtype)
+    model = model.to(dtype)
+    # After the cast: RoPE's inv_freq (recomputed off the meta device) stays fp32, as a bf16 one puts the
+    # phases of long positions off (docs/decoding.md).
+    model.rotary_emb = type(model.rotary_emb)(config).to(device)
+    return model
 
 
 def _not_a_drafter(path: Path) -> str | None:

@@ -8,12 +8,16 @@ chosen layers are kept, and the forward stops after the last needed layer when n
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from flashdraft.errors import FlashdraftError
 
@@ -165,15 +169,141 @@ class TargetModel:
 
     @torch.no_grad()
     def forward_cached(
-        self, input_ids: Tensor, position_ids: Tensor, cache, logits_to_keep: int = 0
+        self, input_ids: Tensor, position_ids: Tensor, cache: DecodingCache, logits_to_keep: int = 0
     ) -> tuple[Tensor, Tensor]:
-        """Logits and features of `input_ids` appended to `cache` (decoding: prefill and verify)."""
+        """Logits and features of `input_ids` appended to `cache` (decoding: prefill and verify).
+        Follow it with `cache.keep(...)`, which says how many of the new positions stay."""
         kwargs = {
             "input_ids": input_ids,
             "position_ids": position_ids,
             "use_cache": True,
             "logits_to_keep": logits_to_keep,
-            self._cache_kwarg: cache,
+            self._cache_kwarg: cache.cache,
         }
-        output, features = self._run_with_capture(stop_early=False, **kwargs)
+        with cache.recording(input_ids.shape[1]):
+            output, features = self._run_with_capture(stop_early=False, **kwargs)
         return output.logits, features
+
+
+_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
+
+
+def _recurrent_mixer(target: TargetModel, index: int) -> nn.Module:
+    """The module of decoder layer `index` that advances its recurrent state: the one child whose forward
+    takes the cache (Qwen3.5/Qwen3-Next: `linear_attn`, called with `cache=` or `cache_params=`)."""
+    found = [
+        child
+        for child in target.layers[index].children()
+        if any(p in inspect.signature(child.forward).parameters for p in _CACHE_PARAMETERS)
+    ]
+    if len(found) != 1:
+        raise FlashdraftError(
+            f"{target.name}: layer {index} keeps a recurrent (linear-attention) state, but flashdraft cannot "
+            f"tell which of its modules updates it ({len(found)} take the cache), so a rejected draft could "
+            "not be rolled back; evaluate this target with SGLang or vLLM"
+        )
+    return found[0]
+
+
+def _shorten(value: Any, length: int, keep: int) -> Any:
+    """`value` (a captured forward argument) cut from `length` sequence positions to the first `keep`."""
+    if isinstance(value, Tensor):
+        if value.dim() == 1 and value.shape[0] == length:
+            return value[:keep]
+        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == length:
+            return value[:, :keep]
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_shorten(v, length, keep) for v in value)
+    return value
+
+
+class DecodingCache:
+    """The target's cache for speculative decoding, rolled back exactly after a rejected draft
+    (docs/decoding.md).
+
+    Attention layers are cropped; sliding-window layers record past keys until the crop, so they can be
+    cropped after the sequence passes the window. Recurrent (linear-attention) layers cannot be cropped
+    (transformers' `crop` does not restore a recurrent state): before each verify their conv and recurrent
+    states are copied and their mixer's inputs recorded; after a partial acceptance the copy is restored
+    and the mixer re-run over the accepted positions only, which advances the states exactly as if the
+    rejected tokens had never been seen (the mixer's inputs at accepted positions do not depend on later
+    positions: every layer is causal).
+    """
+
+    def __init__(self, target: TargetModel):
+        self.cache = DynamicCache(config=target.model.config)
+        self._mixers: dict[int, nn.Module] = {}
+        for index, layer in enumerate(self.cache.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                if isinstance(layer, DynamicLayer):
+                    raise FlashdraftError(
+                        f"{target.name}: layer {index} ({type(layer).__name__}) holds attention keys and a "
+                        "recurrent state in one layer, which flashdraft cannot roll back after a rejected "
+                        "draft; evaluate this target with SGLang or vLLM"
+                    )
+                self._mixers[index] = _recurrent_mixer(target, index)
+            elif isinstance(layer, DynamicSlidingWindowLayer):
+                layer.activate_past_recording()  # else `crop` raises once the window is full
+            elif not isinstance(layer, DynamicLayer) and type(layer).__name__ != "DummyLayer":
+                raise FlashdraftError(
+                    f"{target.name}: layer {index} uses a {type(layer).__name__} cache, which flashdraft does "
+                    "not know how to roll back after a rejected draft; evaluate this target with SGLang or vLLM"
+                )
+        self._saved: dict[int, tuple[dict[int, Tensor], ...]] = {}  # conv, recurrent states by slot
+        self._inputs: dict[int, tuple[tuple, dict]] = {}
+        self._length = 0  # positions in the last forward
+        self._prefilled = False  # the first forward (the prompt) is always kept whole
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        return bool(self._mixers)
+
+    @contextmanager
+    def recording(self, length: int) -> Iterator[None]:
+        """Around a forward over `length` new positions: keep what a rollback of them needs."""
+        self._saved, self._inputs, self._length = {}, {}, length
+        if not self._mixers or length == 1 or not self._prefilled:
+            yield  # nothing to roll back: the prompt and a single position are always kept
+            return
+        handles = []
+        for index, mixer in self._mixers.items():
+            layer = self.cache.layers[index]
+            self._saved[index] = tuple(
+                {slot: state.clone() for slot, state in states.items() if state is not None}
+                for states in (layer.conv_states, layer.recurrent_states)
+            )
+
+            def record(_module, args, kwargs, index=index):
+                self._inputs[index] = (args, kwargs)
+
+            handles.append(mixer.register_forward_pre_hook(record, with_kwargs=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def keep(self, kept: int) -> None:
+        """Keep the first `kept` positions of the last forward and forget the rest."""
+        removed = self._length - kept
+        if removed < 0:
+            raise ValueError(f"keep({kept}) after a forward over {self._length} positions")
+        for index, layer in enumerate(self.cache.layers):
+            if index in self._mixers or not isinstance(layer, DynamicLayer):
+                continue
+            if removed or isinstance(layer, DynamicSlidingWindowLayer):
+                layer.crop(-removed)  # crop(0) trims a sliding layer back to its window
+        if removed and self._saved:
+            for index, (conv, recurrent) in self._saved.items():
+                layer = self.cache.layers[index]
+                for states, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
+                    for slot, state in saved.items():
+                        states[slot].copy_(state)
+                if kept:
+                    args, kwargs = self._inputs[index]
+                    self._mixers[index](
+                        *_shorten(args, self._length, kept),
+                        **{k: _shorten(v, self._length, kept) for k, v in kwargs.items()},
+                    )
+        self._saved, self._inputs, self._length, self._prefilled = {}, {}, kept, True

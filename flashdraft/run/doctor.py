@@ -101,6 +101,47 @@ def _target(config: Config) -> Check:
     )
 
 
+# Packages transformers uses for linear-attention (Gated DeltaNet) layers when they import, with the
+# modules and functions it looks up; without them it runs its reference PyTorch code (docs/decoding.md).
+_HYBRID_KERNELS = (
+    ("flash-linear-attention", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    ("causal-conv1d", "causal_conv1d", "causal_conv1d_fn"),
+)
+
+
+def _hybrid_kernels(config: Config) -> Check:
+    import importlib
+
+    from flashdraft.model.target import load_target_config
+
+    try:
+        target = load_target_config(config.model.target)
+    except FlashdraftError:
+        return Check("hybrid kernels", None, "skipped: the target does not load")
+    types = list(getattr(target, "layer_types", None) or [])
+    linear = sum(t == "linear_attention" for t in types)
+    if not linear:
+        return Check("hybrid kernels", None, "not needed: the target has no linear-attention layers")
+    missing = []
+    for package, module, function in _HYBRID_KERNELS:
+        try:
+            if not callable(getattr(importlib.import_module(module), function, None)):
+                missing.append(package)
+        except Exception:  # not installed, or installed without a working GPU build
+            missing.append(package)
+    if not missing:
+        return Check(
+            "hybrid kernels", True, f"{linear}/{len(types)} linear-attention layers use fast kernels"
+        )
+    return Check(
+        "hybrid kernels",
+        None,
+        f"{linear}/{len(types)} target layers are linear attention and {' and '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not importable: they run on transformers' slow torch "
+        "fallback (features, eval); install flashdraft[hybrid]",
+    )
+
+
 def _drafter(config: Config) -> Check:
     from flashdraft.model.checkpoint import check_against_target, read_config
     from flashdraft.model.spec import build_target_layer_ids
@@ -284,6 +325,7 @@ FULL: list[Callable[[Config], Check]] = [
     _versions,
     _gpus,
     _target,
+    _hybrid_kernels,
     _drafter,
     _data,
     _output,
