@@ -208,3 +208,48 @@ def test_the_sampler_order_is_unchanged_and_each_permutation_is_computed_once_pe
     resumed = EpochSampler(23, 5, seed=7)
     resumed.load_state_dict(sampler.state_dict())
     assert [resumed.next_batch() for _ in range(6)] == _old_order(23, 5, 7, 22)[16:]
+
+
+# ---------------------------------------------------------------- training on shards
+
+
+@pytest.mark.slow
+def test_training_on_shards_is_bit_identical_to_the_same_data_as_jsonl(tmp_path, qwen3_target):
+    from safetensors.torch import load_file
+
+    from flashdraft.train.trainer import train
+
+    samples = []
+    for i in range(10):  # learnable period-3 sequences, as in tests/train/test_trainer.py
+        n, p = 20 + 3 * i, 3 + i % 4
+        cycle = [(11 * i) % 290, (11 * i + 97) % 290, (11 * i + 181) % 290]
+        samples.append(([cycle[j % 3] for j in range(n)], [0] * p + [1] * (n - p)))
+    jsonl = _jsonl(tmp_path / "train.jsonl", samples)
+    write_shards(tmp_path / "shards", samples, {}, shard_size=3)
+
+    def run(data: Path, out: Path) -> tuple[list[float], dict]:
+        overrides = {
+            "model.target": qwen3_target,
+            "model.mask_token_id": 300,
+            "model.num_layers": 1,
+            "model.block_size": 4,
+            "data.train": f"[{data}]",
+            "train.out_dir": str(out),
+            "train.max_steps": 4,
+            "train.log_every": 1,
+            "train.num_anchors": 4,
+            "train.batch_size": 2,
+            "train.grad_accum": 2,
+            "train.save_every": 4,
+            "train.device": "cpu",
+        }
+        train(load_config(None, [f"{k}={v}" for k, v in overrides.items()]))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        weights = load_file(str(out / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"))
+        return [r["loss"] for r in rows if r["kind"] == "train"], weights
+
+    losses_a, weights_a = run(jsonl, tmp_path / "a")
+    losses_b, weights_b = run(tmp_path / "shards", tmp_path / "b")
+    assert len(losses_a) == 4 and losses_a == losses_b
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
