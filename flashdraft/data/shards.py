@@ -99,7 +99,8 @@ def _as_arrays(ids: Sequence[int] | np.ndarray, mask: Sequence[int] | np.ndarray
     if ids_array.size and (ids_array.min() < 0 or ids_array.max() > np.iinfo(IDS_DTYPE).max):
         raise ValueError(f"sample {n}: token ids must lie in [0, 2**32)")
     if mask_array.shape != ids_array.shape or (
-        mask_array.size and (mask_array.min() < 0 or mask_array.max() > 1)
+        mask_array.size
+        and (mask_array.dtype.kind not in "iub" or mask_array.min() < 0 or mask_array.max() > 1)
     ):
         raise ValueError(f"sample {n}: loss_mask must be 0/1 of the same length as input_ids")
     return ids_array, mask_array

@@ -98,6 +98,22 @@ def test_at_most_8_bytes_a_token_on_disk(tmp_path):
     assert files == {"manifest.json", *manifest_files(manifest)}
 
 
+@pytest.mark.parametrize(
+    "ids,mask,needle",
+    [
+        ([1, 2], [0, 2], "loss_mask must be 0/1"),
+        ([1, 2], [0.5, 1], "loss_mask must be 0/1"),
+        ([1, 2], [1], "same length"),
+        ([1, -2], [0, 1], "token ids must lie in"),
+        ([1, 2**32], [0, 1], "token ids must lie in"),
+    ],
+)
+def test_the_writer_refuses_a_bad_sample_and_leaves_nothing(tmp_path, ids, mask, needle):
+    with pytest.raises(ValueError, match=f"sample 1: .*{needle}"):
+        write_shards(tmp_path / "s", [([1, 2], [0, 1]), (ids, mask)], {})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_token_ids_beyond_the_vocabulary_name_the_shard_without_reading_it(tmp_path):
     write_shards(tmp_path / "s", [([1, 2, 64], [0, 1, 1]), ([1, 2, 3], [0, 1, 1])], {}, shard_size=1)
     with pytest.raises(
