@@ -105,6 +105,15 @@ def _sources(paths: list[str], fingerprint: dict[str, str] | None, target: str) 
             raise FlashdraftError(f"data {path}: no such file or directory")
 
 
+def check_shard_sets(paths: list[str]) -> None:
+    """Open every shard set among `paths` (cheap: the manifest and file sizes), so an old-format or
+    truncated set is refused before the target loads, not after."""
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir() and read_manifest(path) is not None:
+            open_shards(path)
+
+
 def parse_sample(line: str, where: str) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one {input_ids, loss_mask} JSON line, checked."""
     record = parse_json_object(line, where)

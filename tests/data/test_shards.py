@@ -133,6 +133,29 @@ def test_old_jsonl_shard_dirs_get_one_line_naming_the_converter(tmp_path, capsys
     assert check.ok is False and "convert-shards" in check.detail
 
 
+def test_train_refuses_an_old_set_before_loading_the_target(tmp_path, qwen3_target, monkeypatch):
+    from flashdraft.train import trainer
+
+    old = _old_format_set(tmp_path / "old", _random_samples(5))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer.TargetModel, "load", refuse)
+    config = load_config(
+        None,
+        [
+            f"model.target={qwen3_target}",
+            "model.mask_token_id=300",
+            f"data.train=[{old}]",
+            "train.device=cpu",
+            f"train.out_dir={tmp_path / 'run'}",
+        ],
+    )
+    with pytest.raises(FlashdraftError, match="convert-shards"):
+        trainer.train(config)
+
+
 def test_the_converter_round_trips_and_keeps_the_manifest_and_journal(tmp_path, capsys):
     samples = _random_samples(23)
     old = _old_format_set(tmp_path / "old", samples, dropped={"no supervised tokens": 3})
