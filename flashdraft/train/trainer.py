@@ -28,7 +28,14 @@ from flashdraft.config import (
     to_dict,
 )
 from flashdraft.data.render import tokenizer_fingerprint
-from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
+from flashdraft.data.tokens import (
+    EpochSampler,
+    TokenDataset,
+    check_shard_sets,
+    collate,
+    iterate_batches,
+    load_token_dataset,
+)
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.distributed.topology import (
     all_reduce_sum,
@@ -195,6 +202,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         )
     if topo.is_main:
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
+    check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device, dtype=target_dtype)
 
