@@ -5,7 +5,7 @@ Writes a synthetic set with the real writer (`write_shards`; default 800K sample
 (`load_token_dataset`, the call `train` makes), the first epoch permutation, the first batch (its pages
 evicted from the page cache first, so read from disk), the sampler's per-call cost and collation, and the
 process's peak resident memory. The targets (issue 12): train start to first step <= 30 s, host memory
-<= 4 GB a rank. Method and results: docs/shards.md, docs/benchmarks.md.
+<= 4 GB a rank. Method and results: docs/shards.md.
 """
 
 from __future__ import annotations
