@@ -141,6 +141,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from flashdraft.data.inspect import inspect_shards
+
+    print(inspect_shards(args.shards, decode=args.decode, target=args.target))
+    return 0
+
+
+def cmd_convert_shards(args: argparse.Namespace) -> int:
+    from flashdraft.data.convert import convert_shards
+
+    manifest = convert_shards(args.old, args.new, force=args.force)
+    print(
+        f"wrote {args.new}: {manifest['samples']:,} samples, {manifest['tokens']:,} tokens in "
+        f"{len(manifest['shards'])} shard(s); {args.old} is unchanged"
+    )
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from flashdraft.infer.evaluate import EvalSettings, run_eval
 
@@ -266,6 +284,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from flashdraft.bench.eval_bench import main as bench_eval
 
         return bench_eval(args.rest)
+    if args.what == "data":
+        from flashdraft.bench.data_bench import main as bench_data
+
+        return bench_data(args.rest)
     if args.what == "regen":
         from flashdraft.bench.regen_bench import main as bench_regen
 
@@ -355,6 +377,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser(
+        "inspect", help="a shard set's manifest summary, and N samples with supervised spans marked"
+    )
+    p.add_argument("shards", help="shard directory made by flashdraft prepare")
+    p.add_argument(
+        "--decode",
+        type=non_negative_int,
+        default=0,
+        help="decode the first N samples (supervised spans in ⟦ ⟧)",
+    )
+    p.add_argument("--target", default=None, help="tokenizer to decode with (default: the manifest's target)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "convert-shards", help="convert a shard set of the old JSONL format to the current one"
+    )
+    p.add_argument("old", help="shard directory in the old JSONL format (left unchanged)")
+    p.add_argument("new", help="shard directory to write")
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.set_defaults(func=cmd_convert_shards)
 
     p = sub.add_parser("train", help="train a drafter: flashdraft train CONFIG [key=value ...]")
     p.add_argument("config", nargs="?", default=None, help="YAML config file")
@@ -453,8 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval")
-    p.add_argument("what", choices=["train", "regen", "eval"])
+    p = sub.add_parser(
+        "bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval | data"
+    )
+    p.add_argument("what", choices=["train", "regen", "eval", "data"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     return parser

@@ -1,23 +1,32 @@
 """Tokenized training samples ({input_ids, loss_mask}), the deterministic epoch sampler and collation.
 
-Reads shard directories made by `flashdraft prepare` (their manifest is checked against the target's
-tokenizer and their sample count against the shards), JSONL files (one sample per line, gzipped or
-not), or directories of them; data whose tokenizer cannot be verified gets a warning. Every malformed line is an error that
-names the file and line; nothing is skipped silently (samples that cannot hold one block are counted
-and reported).
+Reads shard directories made by `flashdraft prepare` (memory-mapped, docs/shards.md: their manifest is
+checked against the target's tokenizer and their file sizes against the manifest), JSONL files (one
+sample per line, gzipped or not, read into memory: small data), or directories of them; data whose
+tokenizer cannot be verified gets a warning. Every malformed line is an error that names the file and
+line; nothing is skipped silently (samples that cannot hold one block are counted and reported).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from flashdraft.data.chat import parse_json_object
-from flashdraft.data.shards import check_manifest, read_manifest, warn
+from flashdraft.data.shards import (
+    Shard,
+    ShardSet,
+    check_manifest,
+    in_memory_shard,
+    open_shards,
+    read_manifest,
+    warn,
+)
 from flashdraft.data.sources import decode_line, text_lines
 from flashdraft.errors import FlashdraftError
 
@@ -30,35 +39,57 @@ class TokenBatch:
     seeds: list[int]  # per-row anchor seeds, derived from (seed, epoch, sample index)
 
     def to(self, device: torch.device) -> TokenBatch:
+        """On CUDA through pinned memory, without waiting: the copy overlaps the GPU's current work."""
         return TokenBatch(
-            self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.seeds
+            to_device(self.input_ids, device),
+            to_device(self.loss_mask, device),
+            to_device(self.lengths, device),
+            self.seeds,
         )
+
+
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on `device`: pinned and non-blocking for CUDA (the caching host allocator keeps the
+    pinned buffer alive until the copy has run), a plain move otherwise."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
 class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: np.ndarray  # [n] uint32, a view of the shard (do not write)
+    loss_mask: np.ndarray  # [n] uint8
 
 
-@dataclass
 class TokenDataset:
-    samples: list[Sample]
-    dropped: dict[str, int] = field(default_factory=dict)
+    """The usable samples (truncated to `max_length`, those without an anchor left out) of a ShardSet.
+
+    Indexing reads one sample from its shard; nothing else is held per sample but its number (8 bytes),
+    so 800K samples cost a few MB of host memory whatever their tokens."""
+
+    def __init__(self, shards: ShardSet, keep: np.ndarray, max_length: int, dropped: dict[str, int]):
+        self.shards = shards
+        self.keep = keep  # [len] sample numbers in the ShardSet, in data order
+        self.max_length = max_length
+        self.dropped = dropped
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.keep)
+
+    def __getitem__(self, i: int) -> Sample:
+        return Sample(*self.shards.sample(int(self.keep[i]), self.max_length))
 
 
-def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> list[tuple[Path, int]]:
-    """(file, index of the data path it came from) for every data file, manifests checked."""
-    files: list[tuple[Path, int]] = []
-    for source, raw in enumerate(paths):
+def _sources(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> Iterator[Path | ShardSet]:
+    """Per data path: its opened shard set (manifest checked), or the JSONL files to read into memory."""
+    for raw in paths:
         path = Path(raw)
         manifest = read_manifest(path) if path.is_dir() else None
         if manifest is not None:
+            _, shards = open_shards(path)  # refuses old JSONL sets before anything else is said
             check_manifest(path, fingerprint, target)
-            files.extend((path / name, source) for name in manifest["shards"])
+            yield shards
         elif path.is_dir():
             found = sorted(
                 p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))
@@ -66,25 +97,58 @@ def _files(paths: list[str], fingerprint: dict[str, str] | None, target: str) ->
             if not found:
                 raise FlashdraftError(f"data {path}: directory holds no .jsonl files")
             warn(f"data {path} has no flashdraft manifest.json")
-            files.extend((f, source) for f in found)
+            yield from found
         elif path.is_file():
             warn(f"data {path} is a file without a flashdraft manifest")
-            files.append((path, source))
+            yield path
         else:
             raise FlashdraftError(f"data {path}: no such file or directory")
-    return files
 
 
-def _parse(line: str, where: str) -> Sample:
+def check_shard_sets(paths: list[str]) -> None:
+    """Open every shard set among `paths` (cheap: the manifest and file sizes), so an old-format or
+    truncated set is refused before the target loads, not after."""
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir() and read_manifest(path) is not None:
+            open_shards(path)
+
+
+def parse_sample(line: str, where: str) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one {input_ids, loss_mask} JSON line, checked."""
     record = parse_json_object(line, where)
     ids, mask = record.get("input_ids"), record.get("loss_mask")
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in ids):
         raise FlashdraftError(f"{where}: 'input_ids' must be a list of non-negative integers")
     if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
         raise FlashdraftError(
             f"{where}: 'loss_mask' must be a list of 0/1 of the same length as input_ids ({len(ids)})"
         )
-    return Sample(ids, mask)
+    return ids, mask
+
+
+def _read_jsonl(file: Path, vocab_size: int | None) -> Shard:
+    """A JSONL file of tokenized samples, read into memory (small data; large data goes through shards)."""
+    samples = []
+    for number, raw in text_lines(file):
+        if not raw.strip():
+            continue
+        where = f"{file} line {number}"
+        ids, mask = parse_sample(decode_line(raw, where), where)
+        if vocab_size is not None and ids and max(ids) >= vocab_size:
+            raise FlashdraftError(f"{where}: token id {max(ids)} >= the target vocabulary ({vocab_size})")
+        samples.append((ids, mask))
+    return in_memory_shard(samples, str(file))
+
+
+def _check_vocabulary(shards: ShardSet, vocab_size: int | None) -> None:
+    """Every id inside the target's vocabulary, from each shard's recorded largest id (no token is read)."""
+    for shard in shards.shards:
+        if vocab_size is not None and shard.max_token_id >= vocab_size:
+            raise FlashdraftError(
+                f"{shard.where}: token id {shard.max_token_id} >= the target vocabulary ({vocab_size}); "
+                "these shards were made for another target"
+            )
 
 
 def load_token_dataset(
@@ -97,47 +161,28 @@ def load_token_dataset(
     target: str = "the target",
 ) -> TokenDataset:
     """Samples truncated to `max_length`; those without one anchor (a supervised token with a whole block
-    after it) are dropped and counted in `dropped`."""
+    after it) are left out and counted in `dropped`. Shard sets are opened lazily (memory maps); plain
+    JSONL files are read into memory."""
     if not paths:
         raise FlashdraftError("data.train: no training data given (set data.train=[file.jsonl, ...])")
-    samples: list[Sample] = []
-    dropped = {"no_anchor": 0}
-    read_from: dict[int, int] = {}
-    for file, source in _files(paths, fingerprint, target):
-        for number, raw in text_lines(file):
-            if not raw.strip():
-                continue
-            where = f"{file} line {number}"
-            sample = _parse(decode_line(raw, where), where)
-            read_from[source] = read_from.get(source, 0) + 1
-            if vocab_size is not None and sample.input_ids and max(sample.input_ids) >= vocab_size:
-                raise FlashdraftError(
-                    f"{where}: token id {max(sample.input_ids)} >= the target vocabulary ({vocab_size})"
-                )
-            ids, mask = sample.input_ids[:max_length], sample.loss_mask[:max_length]
-            if not any(mask[: max(len(ids) - block_size + 1, 0)]):
-                dropped["no_anchor"] += 1
-                continue
-            samples.append(Sample(ids, mask))
-    _check_counts(paths, read_from)
-    if not samples:
+    parts: list[Shard] = []
+    for source in _sources(paths, fingerprint, target):
+        if isinstance(source, ShardSet):
+            _check_vocabulary(source, vocab_size)
+            parts.extend(source.shards)
+        else:
+            parts.append(_read_jsonl(source, vocab_size))
+    shards = ShardSet(parts)
+    # An anchor needs a supervised token p with p + block_size <= the truncated length.
+    room = np.minimum(shards.column(1), max_length)
+    usable = shards.column(2) + block_size <= room
+    keep = np.flatnonzero(usable)
+    dropped = {"no_anchor": int(len(usable) - len(keep))}
+    if not len(keep):
         raise FlashdraftError(
             f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a block)"
         )
-    return TokenDataset(samples, dropped)
-
-
-def _check_counts(paths: list[str], read_from: dict[int, int]) -> None:
-    """A shard set must hold as many samples as its manifest says: a shard truncated by a full disk or an
-    interrupted copy would otherwise train on part of the data without a word."""
-    for source, raw in enumerate(paths):
-        manifest = read_manifest(Path(raw)) if Path(raw).is_dir() else None
-        expected = None if manifest is None else manifest.get("samples")
-        if isinstance(expected, int) and read_from.get(source, 0) != expected:
-            raise FlashdraftError(
-                f"data {raw}: {read_from.get(source, 0)} samples in its shards but its manifest.json says "
-                f"{expected} (incomplete shards); run flashdraft prepare again"
-            )
+    return TokenDataset(shards, keep, max_length, dropped)
 
 
 def anchor_seed(seed: int, epoch: int, index: int) -> int:
@@ -146,7 +191,11 @@ def anchor_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class EpochSampler:
-    """Deterministic shuffled order per epoch; its position is part of the training checkpoint."""
+    """Deterministic shuffled order per epoch; its position is part of the training checkpoint.
+
+    The epoch's permutation is computed once and kept (a permutation of 800K samples costs tens of
+    milliseconds: once per epoch, not per micro-batch); the order is torch.randperm seeded with
+    seed + epoch, unchanged since the first version so old checkpoints resume on the same samples."""
 
     def __init__(self, num_samples: int, batch_size: int, seed: int):
         self.num_samples = num_samples
@@ -154,18 +203,25 @@ class EpochSampler:
         self.seed = seed
         self.epoch = 0
         self.position = 0
+        self._order_epoch: int | None = None
+        self._order_cache: Tensor | None = None
 
-    def _order(self, epoch: int) -> list[int]:
+    def _order(self, epoch: int) -> Tensor:
         g = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        return torch.randperm(self.num_samples, generator=g)
+
+    def order(self, epoch: int) -> Tensor:
+        """The epoch's permutation (cached: the sampler only moves forward, one epoch at a time)."""
+        if self._order_epoch != epoch:
+            self._order_cache, self._order_epoch = self._order(epoch), epoch
+        return self._order_cache
 
     def next_batch(self) -> tuple[int, list[int]]:
         """(epoch, sample indices); an epoch ends with a possibly smaller batch."""
         if self.position >= self.num_samples:
             self.epoch += 1
             self.position = 0
-        order = self._order(self.epoch)
-        indices = order[self.position : self.position + self.batch_size]
+        indices = self.order(self.epoch)[self.position : self.position + self.batch_size].tolist()
         self.position += len(indices)
         return self.epoch, indices
 
@@ -190,16 +246,20 @@ def collate(
     dataset: TokenDataset, epoch: int, indices: list[int], seed: int, pad_multiple: int = 1
 ) -> TokenBatch:
     """Right-padded batch; the length is rounded up to `pad_multiple` so compiled shapes repeat."""
-    samples = [dataset.samples[i] for i in indices]
-    longest = max(len(s.input_ids) for s in samples)
-    length = -(-longest // pad_multiple) * pad_multiple
-    ids = torch.zeros(len(samples), length, dtype=torch.long)
-    mask = torch.zeros(len(samples), length, dtype=torch.long)
-    for row, s in enumerate(samples):
-        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids)
-        mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask)
-    lengths = torch.tensor([len(s.input_ids) for s in samples])
-    return TokenBatch(ids, mask, lengths, [anchor_seed(seed, epoch, i) for i in indices])
+    samples = [dataset[i] for i in indices]
+    lengths = [len(s.input_ids) for s in samples]
+    length = -(-max(lengths) // pad_multiple) * pad_multiple
+    ids = np.zeros((len(samples), length), dtype=np.int64)
+    mask = np.zeros((len(samples), length), dtype=np.int64)
+    for row, s in enumerate(samples):  # reads each sample's tokens from its shard (the page cache or disk)
+        ids[row, : lengths[row]] = s.input_ids
+        mask[row, : lengths[row]] = s.loss_mask
+    return TokenBatch(
+        torch.from_numpy(ids),
+        torch.from_numpy(mask),
+        torch.tensor(lengths, dtype=torch.long),
+        [anchor_seed(seed, epoch, i) for i in indices],
+    )
 
 
 def iterate_batches(

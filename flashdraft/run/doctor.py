@@ -182,7 +182,7 @@ def _drafter(config: Config) -> Check:
 
 
 def _data(config: Config) -> Check:
-    from flashdraft.data.shards import read_manifest
+    from flashdraft.data.shards import open_shards, read_manifest
     from flashdraft.data.sources import text_lines
 
     if not config.data.train:
@@ -198,14 +198,16 @@ def _data(config: Config) -> Check:
             )
         try:  # the same manifest checks `train` makes: not an object, no shards list, a shard missing
             manifest = read_manifest(path) if path.is_dir() else None
+            if manifest is not None:
+                open_shards(path)  # old JSONL sets, files of the wrong size
         except FlashdraftError as exc:
-            return Check("data", False, str(exc), "run flashdraft prepare again into that directory")
+            fix = "run flashdraft prepare again into that directory"
+            if "convert-shards" in str(exc):
+                fix = "convert the set with flashdraft convert-shards OLD NEW, then point data at NEW"
+            return Check("data", False, str(exc), fix)
         if manifest is not None:
-            first = path / manifest["shards"][0] if manifest["shards"] else None
-        elif path.is_file():
-            first = path
-        else:
-            first = next(iter(sorted(path.glob("*.jsonl"))), None)
+            continue  # memory-mapped shards: their layout was checked above
+        first = path if path.is_file() else next(iter(sorted(path.glob("*.jsonl"))), None)
         if first is None:
             return Check(
                 "data", False, f"data {path}: directory holds no .jsonl files", "point at the prepared shards"

@@ -28,7 +28,14 @@ from flashdraft.config import (
     to_dict,
 )
 from flashdraft.data.render import tokenizer_fingerprint
-from flashdraft.data.tokens import EpochSampler, TokenDataset, collate, iterate_batches, load_token_dataset
+from flashdraft.data.tokens import (
+    EpochSampler,
+    TokenDataset,
+    check_shard_sets,
+    collate,
+    iterate_batches,
+    load_token_dataset,
+)
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.distributed.topology import (
     all_reduce_sum,
@@ -195,6 +202,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         )
     if topo.is_main:
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
+    check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device, dtype=target_dtype)
 
@@ -270,7 +278,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "step": step,
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(),
+            "sampler": sampler_state,
             "best_tau": best_tau,
             "total_steps": total_steps,
             "skipped_steps": skipped,
@@ -293,8 +301,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         "compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps
     )
     outcome = "finished"
-    while step < total_steps:
-        started = time.perf_counter()
+
+    def draw_step() -> tuple[list[tuple], dict[str, Any]]:
+        """The next step's micro-batches, prepared on the host and queued to the device, and the sampler
+        state after drawing them (what a checkpoint of that step records)."""
         micro = []
         for _ in range(t.grad_accum):
             epoch, indices = sampler.next_batch()
@@ -303,7 +313,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
                 batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
                 blocks = objective.blocks(batch)
-                window.add_work(
+                work = (
                     int(blocks.keep.sum()),
                     step_flops(
                         drafter.config,
@@ -314,17 +324,28 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                         target.vocab_size,
                     ).total,
                 )
-                micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum())))
+                micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum()), work))
+        return micro, sampler.state_dict()
+
+    upcoming = draw_step() if step < total_steps else None
+    while step < total_steps:
+        started = time.perf_counter()
+        micro, sampler_state = upcoming
+        for _, _, _, work in micro:
+            window.add_work(*work)
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
-        (total_weight,) = all_reduce_sum([sum(w for _, _, w in micro)], device, topo)
+        (total_weight,) = all_reduce_sum([sum(w for _, _, w, _ in micro)], device, topo)
         losses, stats = [], []
-        for i, (batch, blocks, _) in enumerate(micro):
+        for i, (batch, blocks, _, _) in enumerate(micro):
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
             if i < len(micro) - 1:
                 optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
             losses.append(out.loss_sum.detach())
             stats.append(out.stats)
+        # The next step's batches are read and collated on the host while the GPU runs this step's
+        # kernels (queued above, not yet waited for); the order of samples is the same as without it.
+        upcoming = draw_step() if step + 1 < total_steps else None
         sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
         grad_norm = optimizer.grad_norm()
         # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
@@ -362,7 +383,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         heartbeat.beat(
             "training",
             step=step,
-            epoch=sampler.epoch,
+            epoch=sampler_state["epoch"],
             skipped_steps=skipped,
             step_seconds=round(time.perf_counter() - started, 4),
             max_memory_GiB=round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -375,7 +396,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 **window.metrics(),
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm),
-                "epoch": sampler.epoch,
+                "epoch": sampler_state["epoch"],
                 "skipped_steps": skipped,
             }
             if peak:

@@ -16,6 +16,7 @@ from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import read_journal
+from flashdraft.data.shards import write_shards
 from flashdraft.data.tokens import load_token_dataset
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.doctor import _data
@@ -71,7 +72,7 @@ def _one_line_error(capsys, argv) -> str:
 
 def _samples(out: Path) -> list[list[int]]:
     data = load_token_dataset([str(out)], max_length=4096, block_size=2)
-    return [s.input_ids for s in data.samples]
+    return [data[i].input_ids.tolist() for i in range(len(data))]
 
 
 @pytest.fixture()
@@ -156,9 +157,9 @@ def test_incomplete_shards_are_refused_by_the_loader(tmp_path, target):
     data = _write(tmp_path / "in.jsonl", [CHAT, PAIR])
     out = tmp_path / "shards"
     assert main(_prepare([data], target, out)) == 0
-    shard = out / "shard-00000.jsonl"
-    shard.write_text(shard.read_text().splitlines(keepends=True)[0])  # a truncated copy
-    with pytest.raises(FlashdraftError, match=r"1 samples in its shards but its manifest.json says 2"):
+    ids = out / "shard-00000.ids.u32"
+    ids.write_bytes(ids.read_bytes()[:-4])  # a truncated copy
+    with pytest.raises(FlashdraftError, match=r"shard-00000.ids.u32: \d+ bytes, its manifest.json says \d+"):
         _samples(out)
 
 
@@ -254,9 +255,7 @@ def test_unverifiable_tokenizer_warns_and_ids_beyond_the_vocabulary_name_file_an
     assert f"warning: data {raw} has no flashdraft manifest.json: cannot verify" in capsys.readouterr().err
 
     shards = tmp_path / "shards"
-    shards.mkdir()
-    (shards / "s.jsonl").write_text((raw / "a.jsonl").read_text())
-    (shards / "manifest.json").write_text(json.dumps({"shards": ["s.jsonl"], "tokenizer_sha256": "y"}))
+    write_shards(shards, [([1, 2, 3], [0, 1, 1])], {"tokenizer_sha256": "y"})
     load_token_dataset([str(shards)], max_length=64, block_size=2, fingerprint=None, target="T")
     assert "no tokenizer files next to T" in capsys.readouterr().err
 

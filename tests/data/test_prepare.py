@@ -20,6 +20,7 @@ from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import read_journal
+from flashdraft.data.shards import open_shards
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.trainer import train
 
@@ -76,9 +77,9 @@ def test_prepare_writes_shards_manifest_and_trains(tmp_path, target, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == 12 and manifest["dropped"] == {"no assistant turn": 4}
     assert manifest["tokens"] > manifest["supervised_tokens"] > 0 and len(manifest["tokenizer_sha256"]) == 64
-    assert "prepare" in manifest["command"] and manifest["shards"] == ["shard-00000.jsonl"]
-    first = json.loads((out / "shard-00000.jsonl").read_text().splitlines()[0])
-    assert len(first["input_ids"]) == len(first["loss_mask"]) == 22 and sum(first["loss_mask"]) == 4
+    assert "prepare" in manifest["command"] and [s["name"] for s in manifest["shards"]] == ["shard-00000"]
+    ids, mask = open_shards(out)[1].sample(0)
+    assert len(ids) == len(mask) == 22 and int(mask.sum()) == 4
     printed = capsys.readouterr().out
     assert "samples kept" in printed and "supervised fraction" in printed
 

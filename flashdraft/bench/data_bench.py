@@ -1,0 +1,197 @@
+"""`flashdraft bench data`: what `flashdraft train`'s data path costs on a large shard set.
+
+Writes a synthetic set with the real writer (`write_shards`; default 800K samples of ~1250 tokens, about
+1B tokens, 5 GB), then, in a fresh process as a rank of `flashdraft train` would, measures: opening the set
+(`load_token_dataset`, the call `train` makes), the first epoch permutation, the first batch (its pages
+evicted from the page cache first, so read from disk), the sampler's per-call cost and collation, and the
+process's peak resident memory. The targets (issue 12): train start to first step <= 30 s, host memory
+<= 4 GB a rank. Method and results: docs/shards.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from flashdraft.durable import atomic_write_json
+
+VOCAB = 151_936  # Qwen3's
+
+
+def synthetic_samples(count: int, mean_length: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`count` samples, lengths uniform in [mean/4, 7·mean/4], a prompt of a quarter then a supervised answer;
+    generated a chunk at a time so the writer, not the generator, is what is measured."""
+    rng = np.random.default_rng(seed)
+    chunk = 4096
+    for start in range(0, count, chunk):
+        n = min(chunk, count - start)
+        lengths = rng.integers(mean_length // 4, 7 * mean_length // 4 + 1, size=n)
+        ids = rng.integers(0, VOCAB, size=int(lengths.sum()), dtype=np.uint32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in range(n):
+            length = int(lengths[i])
+            mask = np.ones(length, dtype=np.uint8)
+            mask[: length // 4] = 0
+            yield ids[offsets[i] : offsets[i + 1]], mask
+
+
+def _evict(directory: Path) -> None:
+    """Drop the set's pages from the page cache (this set only), so the first batch is read from disk."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _rss() -> dict[str, float]:
+    """Current resident memory split into anonymous (the process's own) and file-backed (page cache of
+    the memory maps, shared and reclaimable), and the peak, in GB."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1e6  # kB -> GB
+    return {
+        "rss_GB": round(fields.get("VmRSS", 0), 3),
+        "rss_anon_GB": round(fields.get("RssAnon", 0), 3),
+        "rss_file_GB": round(fields.get("RssFile", 0), 3),
+        "peak_rss_GB": round(
+            max(fields.get("VmHWM", 0), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6), 3
+        ),
+    }
+
+
+def measure(directory: Path, batch_size: int, world_size: int, max_length: int, calls: int) -> dict:
+    """The data path of one rank (rank 0) of `flashdraft train`, timed; run in a fresh process."""
+    started = time.perf_counter()
+    import torch
+
+    from flashdraft.data.tokens import EpochSampler, collate, load_token_dataset
+
+    imported = time.perf_counter()  # torch and flashdraft's data modules, as `train` imports them
+    _evict(directory)
+    data = load_token_dataset([str(directory)], max_length=max_length, block_size=16, vocab_size=VOCAB)
+    opened = time.perf_counter()
+    sampler = EpochSampler(len(data), batch_size * world_size, seed=0)
+    epoch, indices = sampler.next_batch()  # computes the epoch's permutation
+    permuted = time.perf_counter()
+    batch = collate(data, epoch, indices[0::world_size], 0, 64)  # cold: read from disk
+    first_batch = time.perf_counter()
+    ready = {
+        "import_s": imported - started,
+        "open_s": opened - imported,
+        "first_permutation_s": permuted - opened,
+        "first_batch_s": first_batch - permuted,
+        "to_first_batch_s": first_batch - started,
+    }
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        epoch, indices = sampler.next_batch()
+    sampler_call = (time.perf_counter() - t0) / calls
+    t0, collated = time.perf_counter(), 0
+    for _ in range(min(calls, 200)):
+        epoch, indices = sampler.next_batch()
+        collated += int(collate(data, epoch, indices[0::world_size], 0, 64).lengths.sum())
+    collate_call = (time.perf_counter() - t0) / min(calls, 200)
+    t0 = time.perf_counter()
+    torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    old_call = time.perf_counter() - t0  # what every call cost before the permutation was cached
+    return {
+        **{k: round(v, 4) for k, v in ready.items()},
+        "sampler_call_ms": round(sampler_call * 1e3, 4),
+        "sampler_call_before_caching_ms": round(old_call * 1e3, 2),
+        "collate_call_ms": round(collate_call * 1e3, 3),
+        "collated_tokens_per_s": round(collated / (collate_call * min(calls, 200)), 0),
+        "first_batch_shape": list(batch.input_ids.shape),
+        "samples_usable": len(data),
+        **_rss(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashdraft bench data")
+    parser.add_argument("--samples", type=int, default=800_000)
+    parser.add_argument("--mean-length", type=int, default=1250, help="mean tokens a sample")
+    parser.add_argument("--dir", default=None, help="where to write the set (default: a temporary dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the set afterwards (and reuse it if there)")
+    parser.add_argument("--batch-size", type=int, default=8, help="per-rank batch")
+    parser.add_argument("--world-size", type=int, default=8, help="ranks the global batch is split over")
+    parser.add_argument("--max-length", type=int, default=3072)
+    parser.add_argument("--calls", type=int, default=2000, help="sampler calls timed")
+    parser.add_argument("--out", default=None, help="write the result JSON here")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the measuring child process
+    args = parser.parse_args(argv)
+    if args.measure:
+        result = measure(Path(args.measure), args.batch_size, args.world_size, args.max_length, args.calls)
+        print(json.dumps(result))
+        return 0
+
+    from flashdraft.bench.provenance import provenance
+    from flashdraft.data.shards import write_shards
+
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="flashdraft-bench-data-"))
+    shards = root / "shards"
+    need = args.samples * args.mean_length * 5.1
+    if not (shards / "manifest.json").is_file():
+        free = shutil.disk_usage(root).free
+        if free < need * 1.2:
+            print(f"flashdraft bench data: {need / 1e9:.1f} GB needed in {root}, {free / 1e9:.1f} GB free")
+            return 2
+        started = time.perf_counter()
+        write_shards(
+            shards, synthetic_samples(args.samples, args.mean_length), {"tokenizer_name": "synthetic"}
+        )
+        write_s = time.perf_counter() - started
+    else:
+        write_s = None  # reused
+    manifest = json.loads((shards / "manifest.json").read_text())
+    on_disk = sum(p.stat().st_size for p in shards.iterdir())
+    child = subprocess.run(
+        [sys.executable, "-m", "flashdraft.bench.data_bench", "--measure", str(shards), *(argv or [])],
+        capture_output=True,
+        text=True,
+    )
+    if child.returncode != 0:
+        print(child.stderr[-3000:])
+        return 1
+    measured = json.loads(child.stdout.strip().splitlines()[-1])
+    result = {
+        **provenance("data", argv),
+        "set": {
+            "samples": manifest["samples"],
+            "tokens": manifest["tokens"],
+            "shards": len(manifest["shards"]),
+            "bytes_on_disk": on_disk,
+            "bytes_per_token": round(on_disk / manifest["tokens"], 3),
+            "write_s": None if write_s is None else round(write_s, 1),
+        },
+        "rank": {"batch_size": args.batch_size, "world_size": args.world_size, "max_length": args.max_length},
+        "measured": measured,
+        "targets": {"to_first_batch_s": 30, "peak_rss_GB": 4},
+        "meets_targets": measured["to_first_batch_s"] <= 30 and measured["peak_rss_GB"] <= 4,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        atomic_write_json(args.out, result)
+    if not args.keep and not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    elif not args.keep:
+        shutil.rmtree(shards, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
