@@ -6,6 +6,7 @@
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
+#   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
@@ -28,6 +29,12 @@ print('NVML:', gpu_usage())
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
   probe)
     python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
+  hybrid-eval)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
+    PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench eval --target qwen3.6-27b --target-layers 8 \
+      --samples 128 --steps 150 --prompts 4 --max-new-tokens 128 --out "$out/eval_h200_27b_hybrid.json" \
+      > "$out/bench_eval_hybrid.log" 2>&1
+    grep -v -i warn "$out/bench_eval_hybrid.log" | tail -25 ;;
   hybrid)
     python3 -m flashdraft bench train --target qwen3.6-27b --shape a --out "$out/train_h200_27b_torch_fallback.json" 2>&1 \
       | grep -v -i warn | tail -3
