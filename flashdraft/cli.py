@@ -63,6 +63,14 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _fp32_only(text: str) -> str:
+    if text != "fp32":
+        raise argparse.ArgumentTypeError(
+            f"the only value is fp32 (rerun diverged prompts in fp32), got {text!r}"
+        )
+    return text
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     from flashdraft.model.checkpoint import init_drafter
 
@@ -154,6 +162,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_lossless=args.check_lossless,
         max_prompts=args.max_prompts,
         seed=args.seed,
+        engine=args.engine,
+        dtype=args.dtype,
     )
     run_eval(
         args.target,
@@ -440,7 +450,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
     )
-    p.add_argument("--check-lossless", action="store_true", help="also report where greedy outputs diverge")
+    p.add_argument(
+        "--check-lossless",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_fp32_only,
+        metavar="fp32",
+        help="also report where greedy outputs diverge, numerical ties apart from real divergences; "
+        "'--check-lossless fp32' reruns the diverged prompts in fp32 to decide",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["flashdraft", "zlab"],
+        default="flashdraft",
+        help="zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)",
+    )
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
