@@ -178,6 +178,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from flashdraft.model.export import export_drafter
+
+    command = export_drafter(
+        args.drafter,
+        args.to,
+        args.out,
+        target=args.target,
+        force=args.force,
+        allow_sliding_window=args.allow_sliding_window,
+    )
+    print(f"wrote the {args.to} export of {args.drafter} to {args.out}; serve it with:\n  {command}")
+    return 0
+
+
 def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     # No file given: the first word is already an override. A word that names an existing file is the
     # config, even with an '=' in its path.
@@ -483,6 +498,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="overwrite --out / --plot files flashdraft did not write"
     )
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a drafter in the layout vLLM, SGLang or z-lab's code loads")
+    p.add_argument("drafter", help="drafter directory (config.json + model.safetensors)")
+    p.add_argument("--to", required=True, choices=["zlab", "vllm", "sglang"], help="engine to export for")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="target model directory or hub id: checked against the drafter, named in the serve command "
+        "(required for vllm: the speculators layout records the verifier)",
+    )
+    p.add_argument(
+        "--allow-sliding-window",
+        action="store_true",
+        help="vllm: export a sliding-window drafter (only for a vLLM that has PR #40898)",
+    )
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval")
     p.add_argument("what", choices=["train", "regen", "eval"])
