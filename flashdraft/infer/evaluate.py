@@ -97,7 +97,10 @@ def first_divergence(
             "dtype": str(target.dtype).removeprefix("torch."),
         }
     with torch.no_grad():
-        ids = torch.cat([prompt.to(target.device), torch.tensor([reference[:i]], device=target.device)], 1)
+        ids = torch.cat(
+            [prompt.to(target.device), torch.tensor([reference[:i]], dtype=torch.long, device=target.device)],
+            1,
+        )
         logits = target.model(ids).logits[0, -1].float()
     top2 = torch.topk(logits, 2).values
     plain_logit, spec_logit = float(logits[reference[i]]), float(logits[other[i]])
@@ -309,7 +312,7 @@ def run_eval(
         )
     console.print(table)
     for d in divergences:
-        console.print(_divergence_line(d), highlight=False)
+        console.print(_divergence_line(d), highlight=False, soft_wrap=True)
     try:
         if out:
             write_json(report, out)
