@@ -14,16 +14,17 @@ from flashdraft.infer.decode import generate
 from flashdraft.model.checkpoint import load_drafter
 from flashdraft.model.target import TargetModel
 
-from .conftest import MASK
-
 
 @pytest.mark.slow
 def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys):
     pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
     drafter = load_drafter(trained["drafter"])
     target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
-    g = torch.Generator().manual_seed(11)
-    candidates = [torch.randint(0, MASK, (1, 10), generator=g) for _ in range(12)]
+    # Prompts from the drafter's training data (prompt + 8 answer tokens), where it has learnt to draft.
+    records = [json.loads(line) for line in (trained["target"].parent / "train.jsonl").open()][:12]
+    candidates = [
+        torch.tensor([r["input_ids"][: r["loss_mask"].index(1) + 8]]) for r in records if 1 in r["loss_mask"]
+    ]
     # Keep the prompts on which the drafter drafts best, so that equal steps mean equal multi-token accepts.
     runs = sorted(((generate(target, drafter, p, 40), p) for p in candidates), key=lambda r: -r[0].tau)[:3]
     ours = [run for run, _ in runs]
