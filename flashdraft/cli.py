@@ -63,6 +63,14 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _fp32_only(text: str) -> str:
+    if text != "fp32":
+        raise argparse.ArgumentTypeError(
+            f"the only value is fp32 (rerun diverged prompts in fp32), got {text!r}"
+        )
+    return text
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     from flashdraft.model.checkpoint import init_drafter
 
@@ -172,6 +180,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_lossless=args.check_lossless,
         max_prompts=args.max_prompts,
         seed=args.seed,
+        engine=args.engine,
+        dtype=args.dtype,
     )
     run_eval(
         args.target,
@@ -183,6 +193,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         plot_path=args.plot,
         force=args.force,
     )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flashdraft.model.export import export_drafter
+
+    command = export_drafter(
+        args.drafter,
+        args.to,
+        args.out,
+        target=args.target,
+        force=args.force,
+        allow_sliding_window=args.allow_sliding_window,
+    )
+    print(f"wrote the {args.to} export of {args.drafter} to {args.out}; serve it with:\n  {command}")
     return 0
 
 
@@ -483,7 +508,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
     )
-    p.add_argument("--check-lossless", action="store_true", help="also report where greedy outputs diverge")
+    p.add_argument(
+        "--check-lossless",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_fp32_only,
+        metavar="fp32",
+        help="also report where greedy outputs diverge, numerical ties apart from real divergences; "
+        "'--check-lossless fp32' reruns the diverged prompts in fp32 to decide",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["flashdraft", "zlab"],
+        default="flashdraft",
+        help="zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)",
+    )
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -495,6 +541,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="overwrite --out / --plot files flashdraft did not write"
     )
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a drafter in the layout vLLM, SGLang or z-lab's code loads")
+    p.add_argument("drafter", help="drafter directory (config.json + model.safetensors)")
+    p.add_argument("--to", required=True, choices=["zlab", "vllm", "sglang"], help="engine to export for")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="target model directory or hub id: checked against the drafter, named in the serve command "
+        "(required for vllm: the speculators layout records the verifier)",
+    )
+    p.add_argument(
+        "--allow-sliding-window",
+        action="store_true",
+        help="vllm: export a sliding-window drafter (only for a vLLM that has PR #40898)",
+    )
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
         "bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval | data"

@@ -1,9 +1,16 @@
 """`flashdraft eval`: real speculative decoding over a prompt file, against plain decoding of the same
-target through the same code (block size 1), with an optional losslessness check."""
+target through the same code (block size 1), with an optional losslessness check that tells numerical
+ties apart from real divergences, and optionally z-lab's own loop run beside ours (docs/export-and-eval.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import math
+import statistics
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,38 +46,78 @@ class EvalSettings:
     top_p: float = 1.0
     top_k: int = 0
     thinking: str | None = None
-    check_lossless: bool = False
+    check_lossless: bool | str = (
+        False  # False, True (at the eval's dtype) or "fp32" (diverged prompts rerun in fp32)
+    )
     max_prompts: int = 0
     seed: int = 0
+    engine: str = "flashdraft"  # "zlab": also run z-lab's dflash_generate on the same prompts
+    dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32
+
+
+ENGINES = ("flashdraft", "zlab")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# A divergence is a numerical tie when the two tokens' target logits differ by at most this many units in
+# the last place of the dtype the target ran in, at their magnitude (docs/export-and-eval.md).
+TIE_ULPS = 4
+
+
+def ulp(value: float, dtype: torch.dtype) -> float:
+    """Spacing of `dtype`'s representable numbers at |value| (bf16: 2^-7 of the value's power of two)."""
+    info = torch.finfo(dtype)
+    magnitude = abs(value)
+    if magnitude < info.tiny:
+        return info.tiny * info.eps
+    return info.eps * 2.0 ** math.floor(math.log2(magnitude))
+
+
+def tie_tolerance(plain_logit: float, speculative_logit: float, dtype: torch.dtype) -> float:
+    return TIE_ULPS * ulp(max(abs(plain_logit), abs(speculative_logit)), dtype)
 
 
 def first_divergence(
     target: TargetModel, prompt: torch.Tensor, reference: list[int], other: list[int]
 ) -> dict[str, Any] | None:
-    """Where two greedy outputs part, and the target's top-1 minus top-2 logit there (bf16 near-ties can flip)."""
-    for i, (a, b) in enumerate(zip(reference, other, strict=False)):
-        if a != b:
-            with torch.no_grad():
-                ids = torch.cat(
-                    [prompt.to(target.device), torch.tensor([reference[:i]], device=target.device)], 1
-                )
-                logits = target.model(ids).logits[0, -1].float()
-            top2 = torch.topk(logits, 2).values
-            return {
-                "position": i,
-                "plain_token": a,
-                "speculative_token": b,
-                "logit_margin": float(top2[0] - top2[1]),
-            }
-    if len(reference) != len(other):
-        n = min(len(reference), len(other))
+    """Where two greedy outputs part, re-scored by one plain target forward over the common prefix: the
+    two tokens' logits, their gap, the top-1 minus top-2 margin, and whether the gap is a numerical tie
+    at the target's dtype (`tie_tolerance`). None when the outputs are identical."""
+    n = min(len(reference), len(other))
+    i = next((k for k in range(n) if reference[k] != other[k]), None)
+    if i is None:
+        if len(reference) == len(other):
+            return None
+        # One output stops early with equal tokens so far: not a logit flip, so never a tie.
         return {
             "position": n,
             "plain_token": reference[n] if n < len(reference) else None,
             "speculative_token": other[n] if n < len(other) else None,
             "logit_margin": None,
+            "logit_gap": None,
+            "tie": False,
+            "dtype": str(target.dtype).removeprefix("torch."),
         }
-    return None
+    with torch.no_grad():
+        ids = torch.cat(
+            [prompt.to(target.device), torch.tensor([reference[:i]], dtype=torch.long, device=target.device)],
+            1,
+        )
+        logits = target.model(ids).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    plain_logit, spec_logit = float(logits[reference[i]]), float(logits[other[i]])
+    gap = abs(plain_logit - spec_logit)
+    tolerance = tie_tolerance(plain_logit, spec_logit, target.dtype)
+    return {
+        "position": i,
+        "plain_token": reference[i],
+        "speculative_token": other[i],
+        "logit_margin": float(top2[0] - top2[1]),
+        "plain_logit": plain_logit,
+        "speculative_logit": spec_logit,
+        "logit_gap": gap,
+        "tie_tolerance": tolerance,
+        "tie": gap <= tolerance,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
 
 
 def resolve_device(device: str) -> torch.device:
@@ -99,8 +146,19 @@ def _check_settings(settings: EvalSettings) -> None:
         raise FlashdraftError(f"--block-size must be at least 1, got {settings.block_size}")
     if settings.max_prompts < 0:
         raise FlashdraftError(f"--max-prompts must be 0 (all) or more, got {settings.max_prompts}")
+    if settings.check_lossless not in (False, True, "fp32"):
+        raise FlashdraftError(f"--check-lossless {settings.check_lossless!r}: give no value, or fp32")
     if settings.check_lossless and settings.temperature != 0:
         raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
+    if settings.engine not in ENGINES:
+        raise FlashdraftError(f"--engine {settings.engine}: expected one of {', '.join(ENGINES)}")
+    if settings.dtype not in ("auto", *DTYPES):
+        raise FlashdraftError(f"--dtype {settings.dtype}: expected auto, bf16 or fp32")
+    if settings.engine == "zlab" and importlib.util.find_spec("dflash") is None:
+        raise FlashdraftError(
+            "--engine zlab runs z-lab's own loop, and its package is not installed: "
+            "pip install --no-deps dflash==0.1.0"
+        )
 
 
 def encode_prompts(
@@ -159,19 +217,15 @@ def run_eval(
     if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
         raise FlashdraftError(f"--out and --plot are the same file {out}")
     dev = resolve_device(device)
+    dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     target_path = Path(target_dir)
     target_config = load_target_config(target_path)
     tokenizer = load_target_tokenizer(target_path)
     encoded = encode_prompts(
         prompts, tokenizer, settings.thinking, int(target_config.vocab_size), settings.max_prompts
     )
-    drafter = load_drafter(
-        drafter_dir,
-        target=target_config,
-        device=dev,
-        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32,
-    )
-    target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev)
+    drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
+    target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
     block = settings.block_size or drafter.block_size
     stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
@@ -214,33 +268,51 @@ def run_eval(
             "drafter": str(drafter_dir),
             "prompts_file": str(prompts),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(dtype).removeprefix("torch."),
             "settings": settings.__dict__,
             "producer": PRODUCER,
         }
     )
+    if settings.engine == "zlab":
+        report["zlab"] = zlab_comparison(
+            drafter_dir, target, encoded, spec, settings, block, stop_ids, dtype, console
+        )
+    if settings.check_lossless == "fp32" and divergences and dtype != torch.float32:
+        del drafter, target  # the timed runs are done: make room for the fp32 copies
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=torch.float32)
+        target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=torch.float32)
+        for d in divergences:
+            d["fp32"] = recheck_fp32(target, drafter, encoded[d["prompt"]], d, settings, block, stop_ids)
     if settings.check_lossless:
-        report["lossless"] = {"identical": len(encoded) - len(divergences), "diverged": divergences}
+        report["lossless"] = lossless_summary(len(encoded), divergences)
 
     table = Table(title=f"flashdraft eval: {len(encoded)} prompts, block {block}, T={settings.temperature}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("τ (per-prompt mean of accepted + 1, z-lab)", f"{report['tau']:.3f}")
     table.add_row("τ pooled over all steps", f"{report['tau_pooled']:.3f}")
+    if "zlab" in report:
+        z = report["zlab"]
+        table.add_row("τ of z-lab's dflash_generate (same prompts)", f"{z['tau']:.3f}")
+        table.add_row(
+            "prompts with step-identical acceptance (z-lab)", f"{z['identical_steps']} / {len(encoded)}"
+        )
     table.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
     table.add_row("plain tokens/s (same code, B=1)", f"{report['baseline_tokens_per_s']:.1f}")
     table.add_row("speedup", f"{report['speedup']:.2f}x")
     rates = " ".join(f"{r:.2f}" for r in report["acceptance_by_position"])
     table.add_row("acceptance by position 1..B-1", rates)
     if settings.check_lossless:
+        lossless = report["lossless"]
         table.add_row(
-            "lossless (identical / diverged)", f"{report['lossless']['identical']} / {len(divergences)}"
+            "lossless (identical / numerical ties / real divergences)",
+            f"{lossless['identical']} / {len(lossless['numerical_ties'])} / {len(lossless['diverged'])}",
         )
     console.print(table)
     for d in divergences:
-        console.print(
-            f"diverged: prompt {d['prompt']} at token {d['position']}: plain {d['plain_token']} vs "
-            f"speculative {d['speculative_token']} (target logit margin {d['logit_margin']})"
-        )
+        console.print(_divergence_line(d), highlight=False, soft_wrap=True)
     try:
         if out:
             write_json(report, out)
@@ -251,3 +323,152 @@ def run_eval(
         reason = disk_full_reason(exc, Path(where).parent) or exc.strerror or str(exc)
         raise FlashdraftError(f"cannot write the report {where}: {reason}") from None
     return report
+
+
+def _is_tie(divergence: dict[str, Any]) -> bool:
+    """The fp32 rerun decides when there is one: identical fp32 outputs, or an fp32 divergence that is
+    itself a tie at fp32 resolution; otherwise the tie test at the eval's dtype."""
+    fp32 = divergence.get("fp32")
+    if fp32 is not None:
+        return fp32["identical"] or bool(fp32["divergence"]["tie"])
+    return bool(divergence["tie"])
+
+
+def lossless_summary(prompts: int, divergences: list[dict[str, Any]]) -> dict[str, Any]:
+    ties = [d for d in divergences if _is_tie(d)]
+    return {
+        "identical": prompts - len(divergences),
+        "numerical_ties": ties,
+        "diverged": [d for d in divergences if not _is_tie(d)],
+        "tie_rule": f"|logit(plain token) - logit(speculative token)| <= {TIE_ULPS} ulp of the target's "
+        "dtype at their magnitude, at the first differing token; an fp32 rerun, when made, decides",
+    }
+
+
+def _divergence_line(d: dict[str, Any]) -> str:
+    kind = "numerical tie" if _is_tie(d) else "DIVERGED"
+    line = (
+        f"{kind}: prompt {d['prompt']} at token {d['position']}: plain {d['plain_token']} vs "
+        f"speculative {d['speculative_token']}"
+    )
+    if d.get("logit_gap") is not None:
+        line += (
+            f" (target logits {d['plain_logit']:.4g} vs {d['speculative_logit']:.4g} in {d['dtype']}: gap "
+            f"{d['logit_gap']:.3g}, tie tolerance {d['tie_tolerance']:.3g})"
+        )
+    if "fp32" in d:
+        line += "; fp32 rerun: " + (
+            "identical outputs"
+            if d["fp32"]["identical"]
+            else f"differs at token {d['fp32']['divergence']['position']}"
+        )
+    return line
+
+
+def recheck_fp32(
+    target: TargetModel,
+    drafter,
+    prompt: torch.Tensor,
+    divergence: dict[str, Any],
+    settings: EvalSettings,
+    block: int,
+    stop_ids: list[int],
+) -> dict[str, Any]:
+    """Rerun plain and speculative greedy decoding of one prompt with target and drafter in fp32."""
+    plain = generate(target, None, prompt, settings.max_new_tokens, stop_token_ids=stop_ids)
+    spec = generate(
+        target, drafter, prompt, settings.max_new_tokens, block_size=block, stop_token_ids=stop_ids
+    )
+    return {
+        "identical": plain.tokens == spec.tokens,
+        "divergence": first_divergence(target, prompt, plain.tokens, spec.tokens),
+    }
+
+
+@contextlib.contextmanager
+def _zlab_timer_off_cuda(zlab_model, device: torch.device) -> Iterator[None]:
+    """z-lab's loop times itself with torch.cuda.synchronize, which fails without a GPU: use the plain clock."""
+    if device.type == "cuda":
+        yield
+        return
+    saved = zlab_model._cuda_time
+    zlab_model._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        zlab_model._cuda_time = saved
+
+
+def zlab_comparison(
+    drafter_dir: str,
+    target: TargetModel,
+    encoded: list[torch.Tensor],
+    ours: list[Generation],
+    settings: EvalSettings,
+    block: int,
+    stop_ids: list[int],
+    dtype: torch.dtype,
+    console: Console,
+) -> dict[str, Any]:
+    """Run z-lab's `dflash_generate` (package dflash) with its own loading of the drafter on the same
+    target and prompts; its τ beside ours, and where the per-step acceptance lengths first differ."""
+    import dflash.model as zlab_model
+
+    zdrafter = zlab_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(target.device).eval()
+    torch.manual_seed(settings.seed)  # z-lab samples from the global generator at T > 0
+
+    def run(prompt: torch.Tensor):
+        return zlab_model.dflash_generate(
+            zdrafter,
+            target.model,
+            prompt.to(target.device),
+            settings.max_new_tokens,
+            stop_ids or None,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            block_size=block,
+            return_stats=True,
+        )
+
+    runs = []
+    with _zlab_timer_off_cuda(zlab_model, target.device):
+        run(encoded[0])  # warm-up, as for ours
+        for prompt in encoded:
+            runs.append(run(prompt))
+    differences = []
+    same_tokens = 0
+    for i, (mine, theirs) in enumerate(zip(ours, runs, strict=True)):
+        lengths = list(theirs.acceptance_lengths)
+        same_tokens += theirs.output_ids[0, theirs.num_input_tokens :].tolist() == mine.tokens
+        if lengths != mine.accepted:
+            step = next(
+                (k for k, (a, b) in enumerate(zip(mine.accepted, lengths, strict=False)) if a != b),
+                min(len(lengths), len(mine.accepted)),
+            )
+            differences.append(
+                {
+                    "prompt": i,
+                    "step": step,
+                    "flashdraft": mine.accepted[step] if step < len(mine.accepted) else None,
+                    "zlab": lengths[step] if step < len(lengths) else None,
+                }
+            )
+    taus = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in runs if r.acceptance_lengths]
+    steps = [a for r in runs for a in r.acceptance_lengths]
+    seconds = sum(r.time_per_output_token * r.num_output_tokens for r in runs)
+    result = {
+        "tau": statistics.mean(taus) if taus else float("nan"),
+        "tau_pooled": sum(steps) / len(steps) if steps else float("nan"),
+        "tokens_per_s": sum(r.num_output_tokens for r in runs) / seconds if seconds > 0 else float("nan"),
+        "identical_steps": len(encoded) - len(differences),
+        "identical_tokens": int(same_tokens),
+        "first_step_differences": differences,
+        "acceptance_lengths": [list(r.acceptance_lengths) for r in runs],
+    }
+    console.print(
+        f"z-lab dflash_generate: τ {result['tau']:.3f} (ours {statistics.mean(r.tau for r in ours):.3f}); "
+        f"per-step acceptance identical on {result['identical_steps']}/{len(encoded)} prompts",
+        highlight=False,
+    )
+    return result

@@ -1,0 +1,59 @@
+"""`flashdraft eval --engine zlab` runs z-lab's own loop (dflash==0.1.0) beside ours: in fp32 both give
+the same acceptance length at every step, with a drafter whose drafts are really accepted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from flashdraft.cli import main
+from flashdraft.infer.decode import generate
+from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.target import TargetModel
+
+
+@pytest.mark.slow
+def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys):
+    pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+    # Prompts from the drafter's training data (prompt + 8 answer tokens), where it has learnt to draft.
+    records = [json.loads(line) for line in (trained["target"].parent / "train.jsonl").open()][:12]
+    candidates = [
+        torch.tensor([r["input_ids"][: r["loss_mask"].index(1) + 8]]) for r in records if 1 in r["loss_mask"]
+    ]
+    # Keep the prompts on which the drafter drafts best, so that equal steps mean equal multi-token accepts.
+    runs = sorted(((generate(target, drafter, p, 40), p) for p in candidates), key=lambda r: -r[0].tau)[:3]
+    ours = [run for run, _ in runs]
+    assert sum(r.tau for r in ours) / 3 > 1.5 and max(max(r.accepted) for r in ours) >= 3
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for _, p in runs))
+    out = tmp_path / "r.json"
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    argv += ["--prompts", str(prompts), "--max-new-tokens", "40", "--engine", "zlab", "--out", str(out)]
+    assert main([*argv, "--device", "cpu"]) == 0
+    report = json.loads(out.read_text())
+    z = report["zlab"]
+    assert z["acceptance_lengths"] == [r.accepted for r in ours]
+    assert z["identical_steps"] == z["identical_tokens"] == 3 and z["first_step_differences"] == []
+    assert z["tau"] == report["tau"] and z["tau_pooled"] == report["tau_pooled"]
+    assert "τ of z-lab's dflash_generate" in capsys.readouterr().out
+
+
+def test_zlab_engine_without_the_package_is_one_line(tmp_path, capsys, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "dflash" else real(name, *a)
+    )
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr("flashdraft.infer.evaluate.load_drafter", refuse)
+    argv = ["eval", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompts", str(tmp_path / "p")]
+    assert main([*argv, "--engine", "zlab"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flashdraft: error: --engine zlab") and "pip install" in err and "\n" not in err
