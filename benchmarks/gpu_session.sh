@@ -32,7 +32,7 @@ print('NVML:', gpu_usage())
   hybrid-eval)
     python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench eval --target qwen3.6-27b --target-layers 8 \
-      --samples 128 --steps 150 --prompts 4 --max-new-tokens 128 --out "$out/eval_h200_27b_hybrid.json" \
+      --samples 256 --steps 120 --prompts 4 --max-new-tokens 96 --out "$out/eval_h200_27b_hybrid.json" \
       > "$out/bench_eval_hybrid.log" 2>&1
     grep -v -i warn "$out/bench_eval_hybrid.log" | tail -25 ;;
   hybrid)
