@@ -81,8 +81,8 @@ def generate_step_times() -> list[dict]:
 
     import flashdraft.infer.decode as decode
     from flashdraft.bench.shapes import QWEN3_8B
-    from flashdraft.model.checkpoint import make_drafter_config
     from flashdraft.model.drafter import DFlashDraftModel
+    from flashdraft.model.drafter_dir import make_drafter_config
     from flashdraft.model.target import TargetModel
 
     config = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 8})

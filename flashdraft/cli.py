@@ -72,7 +72,7 @@ def _fp32_only(text: str) -> str:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from flashdraft.model.checkpoint import init_drafter
+    from flashdraft.model.drafter_dir import init_drafter
 
     layer_types = None
     if args.sliding_layers is not None and args.sliding_window is None:
@@ -96,7 +96,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         seed=args.seed,
         force=args.force,
     )
-    from flashdraft.model.checkpoint import read_config
+    from flashdraft.model.drafter_dir import read_config
     from flashdraft.model.spec import DFlashSpec
 
     spec = DFlashSpec.from_config(read_config(out))

@@ -23,14 +23,14 @@ from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
-from flashdraft.model.checkpoint import make_drafter_config
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
-from flashdraft.train.step import Objective
 
 SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
 DATASHEET_TFLOPS, MEASURED_CEILING_TFLOPS = 989.0, 789.0

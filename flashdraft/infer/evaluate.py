@@ -33,8 +33,8 @@ from flashdraft.infer.report import (
     tokens_per_second,
     write_json,
 )
-from flashdraft.model.checkpoint import load_drafter
-from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
+from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
 
 
@@ -217,7 +217,7 @@ def run_eval(
     if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
         raise FlashdraftError(f"--out and --plot are the same file {out}")
     dev = resolve_device(device)
-    dtype = DTYPES.get(settings.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = DTYPES.get(settings.dtype) or default_dtype(dev)
     target_path = Path(target_dir)
     target_config = load_target_config(target_path)
     tokenizer = load_target_tokenizer(target_path)

@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative decoding runs, as z-lab's benchmark defines them (dflash.md §4.4).
+"""Acceptance statistics of speculative decoding runs, as z-lab's benchmark defines them (docs/dflash.md §5).
 
 τ = mean over prompts of the per-prompt mean tokens committed per step (accepted drafts + 1), so
 1 <= τ <= B. Acceptance at block position k = P(draft k accepted | drafts 1..k-1 accepted).

@@ -1,4 +1,4 @@
-"""Token sampling and the exact speculative acceptance rules (../shared/reference/dflash.md §4.2).
+"""Token sampling and the exact speculative acceptance rules (docs/dflash.md §5).
 
 Greedy: the longest prefix where draft[i] equals the target's argmax at i-1, plus the target's token
 at the first mismatch (the bonus). Sampling: standard speculative rejection sampling against the

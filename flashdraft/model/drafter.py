@@ -1,7 +1,7 @@
-"""The DFlash drafter in plain single-device PyTorch (../shared/reference/dflash.md §1).
+"""The DFlash drafter in plain single-device PyTorch (docs/dflash.md §1).
 
 A stack of Qwen3-style decoder layers whose queries come only from the block tokens, while keys and
-values are [fused target context ; block] ("KV injection", §1.5). The drafter owns no embedding and no
+values are [fused target context ; block] ("KV injection", docs/dflash.md §1). The drafter owns no embedding and no
 LM head: callers embed the block with the target's embedding and decode with the target's head.
 Parallelism, compilation and sharding are applied from outside (flashdraft/distributed/parallelize.py).
 """
@@ -44,7 +44,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [b, h, n, d]; cos/sin [b, n, d] (neox-style rotation, as vLLM/SGLang assume, §1.5)."""
+    """x [b, h, n, d]; cos/sin [b, n, d] (neox-style rotation, as vLLM/SGLang assume, docs/dflash.md §1)."""
     cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
 
@@ -149,7 +149,7 @@ class DrafterLayer(nn.Module):
 
 @dataclass
 class DraftCache:
-    """Per-layer K/V of the injected context only; block K/V are never stored (§4.1 step b, §8 item 6)."""
+    """Per-layer K/V of the injected context only; block K/V are never stored (docs/dflash.md §5)."""
 
     kv: list[tuple[Tensor, Tensor]] | None = None
 
@@ -159,7 +159,7 @@ class DraftCache:
 
 
 class DFlashDraftModel(nn.Module):
-    """Tensor names match z-lab's released checkpoints: layers.*, fc, hidden_norm, norm (§1.1)."""
+    """Tensor names match z-lab's released checkpoints: layers.*, fc, hidden_norm, norm (docs/dflash.md §2)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, check_against_target, read_config
+from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, check_against_target, read_config
 from flashdraft.model.spec import DFlashSpec, layer_kinds
 from flashdraft.outputs import check_output_dir
 
@@ -140,7 +140,7 @@ def speculators_config(
 
 def _verify_zlab_layout(directory: Path, source_state: dict[str, torch.Tensor]) -> None:
     """Our loader (and z-lab's, when installed) reads the directory, and the tensors are the source's."""
-    from flashdraft.model.checkpoint import load_drafter
+    from flashdraft.model.drafter_dir import load_drafter
 
     loaded = load_drafter(directory)
     state = {k.removeprefix("model."): v for k, v in load_file(str(directory / WEIGHTS_NAME)).items()}

@@ -21,7 +21,7 @@ UNSUPPORTED_FIELDS = ("final_logit_softcapping", "conv_kernel_size", "selector_r
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The paper's rule (§1.3): ids spread uniformly from layer 1 to layer L-3 (0-based, inclusive)."""
+    """The paper's rule (docs/dflash.md §1): ids spread uniformly from layer 1 to layer L-3 (0-based, inclusive)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
@@ -29,7 +29,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 
 
 def default_gamma(block_size: int) -> float:
-    """Loss decay γ of the paper (§3.1): 7 for B=16, 5 for B=10, 4 for B=8; scaled linearly otherwise."""
+    """Loss decay γ of the paper (docs/dflash.md §3): 7 for B=16, 5 for B=10, 4 for B=8; scaled linearly otherwise."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 7.0 * block_size / 16))
 
 
@@ -101,7 +101,7 @@ class DFlashSpec:
 
 
 def layer_kinds(config: PretrainedConfig, source: str = "drafter config") -> list[LayerKind]:
-    """Per-layer attention kind (§1.7): full layers are non-causal; sliding layers are causal unless the
+    """Per-layer attention kind (docs/dflash.md §1): full layers are non-causal; sliding layers are causal unless the
     config sets `is_causal`, and use `sliding_window`."""
     n = config.num_hidden_layers
     types = getattr(config, "layer_types", None) or ["full_attention"] * n

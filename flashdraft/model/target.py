@@ -1,7 +1,7 @@
 """The frozen target model: any Hugging Face causal LM from a local directory, with layer capture.
 
 Features are the outputs of decoder layers `target_layer_ids`, i.e. HF `hidden_states[id + 1]`
-(../shared/reference/dflash.md §1.3, §8 item 1). They are captured with forward hooks, so only the
+(docs/dflash.md §1; §4 trap 4). They are captured with forward hooks, so only the
 chosen layers are kept, and the forward stops after the last needed layer when no logits are needed.
 """
 
@@ -20,6 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from flashdraft.errors import FlashdraftError
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """The compute dtype flashdraft uses where the user does not choose one: bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 class _StopForward(Exception):
@@ -102,7 +107,7 @@ class TargetModel:
         path = Path(path)
         load_target_config(path)  # clear error for a missing or broken directory
         if dtype is None:
-            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            dtype = default_dtype(device)
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except (ValueError, OSError) as exc:

@@ -29,8 +29,8 @@ from safetensors import SafetensorError
 
 from flashdraft.durable import atomic_directory, disk_full_reason, remove_partials
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"

@@ -14,7 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from flashdraft.model.attention import LayerKind
-from flashdraft.train.objective import BlockBatch
+from flashdraft.train.blocks import BlockBatch
 
 # Dense bf16 peak by device name (datasheet); MFU is reported against it.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "B200": 2250.0, "L40S": 362.0}

@@ -1,153 +1,114 @@
-"""The DFlash training objective (docs/dflash.md §3).
+"""The DFlash objective bound to a drafter and its target: one forward on a token batch, target features ->
+drafter -> weighted head loss (the pieces are in train/blocks.py).
 
-Per sequence: sample N anchors among supervised positions with room for a block (fresh each epoch);
-blocks are [x_anchor, MASK x (B-1)] at positions anchor..anchor+B-1; block position k >= 1 predicts
-the token at anchor+k ("same-position" labels, §8 item 3); weight exp(-(k-1)/γ) times the loss mask;
-loss = Σ w·CE / Σ w. Attention follows the rule in flashdraft/model/attention.py.
-
-Each alignment trap of §3.2 (labels shifted by one, context visible at kv <= anchor, blocks seeing each
-other, padding blocks contributing) has a test in tests/train/test_objective.py.
+Shared by the trainer, the held-out evaluation and the benchmark, so all three measure the same thing.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
+from flashdraft.data.tokens import TokenBatch
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.target import TargetModel
+from flashdraft.train.blocks import (
+    BlockBatch,
+    acceptance_stats,
+    build_blocks,
+    dense_masks,
+    flex_block_masks,
+    sample_anchors,
+)
+from flashdraft.train.loss import WeightedHeadLoss
 
 
 @dataclass
-class BlockBatch:
-    """N blocks per sequence, flattened to N*B block positions per row."""
+class StepOutput:
+    loss_sum: Tensor  # Σ w·CE (fp32 scalar, differentiable)
+    weight_sum: Tensor  # Σ w (a device scalar: reading it is the caller's choice, not a forced sync)
+    stats: dict[str, Tensor]  # acceptance sums (see objective.acceptance_stats)
 
-    anchors: Tensor  # [b, N] anchor positions (0 for padding blocks)
-    keep: Tensor  # [b, N] bool: real block (False: padding, sees nothing of the context, weight 0)
-    block_ids: Tensor  # [b, N*B] [x_anchor, MASK, ...]; padding blocks are all MASK
-    block_positions: Tensor  # [b, N*B] absolute positions anchor + k
-    labels: Tensor  # [b, N*B] token at anchor + k (0 where not supervised)
-    weights: Tensor  # [b, N*B] float32 exp(-(k-1)/γ) · loss_mask · keep · (k >= 1)
 
-    @property
-    def block_size(self) -> int:
-        return self.block_ids.shape[1] // self.anchors.shape[1]
+class Objective:
+    """Binds a drafter and its target to the DFlash objective with one attention backend."""
 
-    def to(self, device: torch.device) -> BlockBatch:
-        return BlockBatch(
-            *(
-                getattr(self, f).to(device, non_blocking=True)
-                for f in ("anchors", "keep", "block_ids", "block_positions", "labels", "weights")
-            )
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        target: TargetModel,
+        *,
+        num_anchors: int,
+        gamma: float,
+        loss: WeightedHeadLoss,
+        attention: str = "sdpa",
+        create_block_mask: Callable | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ):
+        if attention == "flex" and create_block_mask is None:
+            raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
+        self.drafter = drafter
+        self.target = target
+        self.num_anchors = num_anchors
+        self.gamma = gamma
+        self.loss = loss
+        self.attention = attention
+        self.create_block_mask = create_block_mask
+        self.autocast_dtype = autocast_dtype
+
+    def blocks(self, batch: TokenBatch) -> BlockBatch:
+        """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
+        spec = self.drafter.spec
+        anchors, keep = sample_anchors(
+            batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds
+        )
+        return build_blocks(
+            batch.input_ids,
+            batch.loss_mask,
+            batch.lengths,
+            anchors,
+            keep,
+            spec.block_size,
+            spec.mask_token_id,
+            self.gamma,
         )
 
+    def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
+        kinds = self.drafter.layer_kinds()
+        if self.attention == "flex":
+            return flex_block_masks(blocks, ctx_len, kinds, self.create_block_mask)
+        return dense_masks(blocks, ctx_len, kinds)
 
-def sample_anchors(
-    loss_mask: Tensor,
-    lengths: Tensor,
-    num_anchors: int,
-    block_size: int,
-    seeds: list[int],
-) -> tuple[Tensor, Tensor]:
-    """Up to `num_anchors` distinct anchors per row, uniformly among positions p <= length - B with a
-    supervised token; sorted. Each row draws from its own seed, so the choice depends only on
-    (seed, epoch, sample) and resume is exact without saving generator state."""
-    b = loss_mask.shape[0]
-    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
-    keep = torch.zeros(b, num_anchors, dtype=torch.bool)
-    for row in range(b):
-        last = int(lengths[row]) - block_size
-        candidates = loss_mask[row, : max(last + 1, 0)].nonzero().flatten().cpu()
-        if candidates.numel() == 0:
-            continue
-        g = torch.Generator().manual_seed(seeds[row])
-        chosen = candidates[torch.randperm(candidates.numel(), generator=g)[:num_anchors]].sort().values
-        anchors[row, : chosen.numel()] = chosen
-        keep[row, : chosen.numel()] = True
-    return anchors.to(loss_mask.device), keep.to(loss_mask.device)
-
-
-def build_blocks(
-    input_ids: Tensor,
-    loss_mask: Tensor,
-    lengths: Tensor,
-    anchors: Tensor,
-    keep: Tensor,
-    block_size: int,
-    mask_token_id: int,
-    gamma: float,
-) -> BlockBatch:
-    b, n = anchors.shape
-    k = torch.arange(block_size, device=anchors.device)
-    positions = anchors[:, :, None] + k  # [b, N, B]
-    in_range = positions < lengths[:, None, None]
-    gather_at = positions.clamp(max=input_ids.shape[1] - 1).view(b, -1)
-    labels = torch.gather(input_ids, 1, gather_at).view(b, n, block_size)
-    supervised = torch.gather(loss_mask, 1, gather_at).view(b, n, block_size).bool()
-    supervised = supervised & in_range & keep[:, :, None] & (k > 0)
-    decay = torch.exp(-(k.clamp(min=1) - 1).float() / gamma)
-    weights = supervised.float() * decay
-
-    block_ids = torch.full_like(labels, mask_token_id)
-    block_ids[:, :, 0] = torch.where(keep, labels[:, :, 0], mask_token_id)
-    return BlockBatch(
-        anchors=anchors,
-        keep=keep,
-        block_ids=block_ids.view(b, -1),
-        block_positions=positions.view(b, -1),
-        labels=torch.where(supervised, labels, 0).view(b, -1),
-        weights=weights.view(b, -1),
-    )
-
-
-def dense_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind]) -> dict[str, Tensor]:
-    """One boolean SDPA mask per distinct layer kind (CPU path and tests)."""
-    b = blocks.anchors.shape[0]
-    ctx_positions = torch.arange(ctx_len, device=blocks.anchors.device).expand(b, -1)
-    return {
-        kind.key: dense_mask(blocks.anchors, blocks.keep, ctx_positions, blocks.block_size, kind)
-        for kind in set(kinds)
-    }
-
-
-def flex_block_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind], create_block_mask) -> dict:
-    """One BlockMask per distinct layer kind, H=1 (broadcast over heads: H=num_heads OOMs at long
-    context, §3.3), built once per batch and reused by every layer. `create_block_mask` is the compiled
-    builder handed in by flashdraft/distributed/parallelize.py."""
-    b, n = blocks.anchors.shape
-    q_len = n * blocks.block_size
-    masks = {}
-    for kind in set(kinds):
-        mod = flex_mask_mod(blocks.anchors, blocks.keep, ctx_len, blocks.block_size, kind)
-        masks[kind.key] = create_block_mask(mod, b, 1, q_len, ctx_len + q_len, device=blocks.anchors.device)
-    return masks
-
-
-def acceptance_stats(correct: Tensor, weights: Tensor, block_size: int) -> dict[str, Tensor]:
-    """Per-position accuracy and simulated acceptance from argmax correctness.
-
-    correct, weights: [b, N*B]. acc@k = P(argmax = label | supervised at k). The simulated acceptance
-    length of a block is 1 + the number of leading positions k = 1, 2, ... that are supervised and
-    correct (what greedy verification would accept on this teacher-forced context); averaged over
-    blocks whose position 1 is supervised. Returned as sums so they add across micro-batches and ranks.
-    """
-    supervised = (weights > 0).view(-1, block_size)
-    hit = (correct.view(-1, block_size) & supervised)[:, 1:]
-    leading = hit.int().cumprod(dim=1).sum(dim=1)
-    counted = supervised[:, 1]
-    return {
-        "correct_at": hit.sum(0).double(),
-        "supervised_at": supervised[:, 1:].sum(0).double(),
-        "accepted_sum": (leading * counted).sum().double(),
-        "blocks": counted.sum().double(),
-    }
-
-
-def summarize_acceptance(stats: dict[str, Tensor]) -> dict[str, float]:
-    acc = (stats["correct_at"] / stats["supervised_at"].clamp(min=1)).tolist()
-    out = {f"acc@{k + 1}": a for k, a in enumerate(acc)}
-    blocks = float(stats["blocks"])
-    out["tau"] = 1.0 + float(stats["accepted_sum"]) / blocks if blocks else math.nan
-    return out
+    def __call__(
+        self, batch: TokenBatch, blocks: BlockBatch | None = None, features: Tensor | None = None
+    ) -> StepOutput:
+        """`features` may come precomputed (timed separately, or produced by a target on another GPU)."""
+        blocks = self.blocks(batch) if blocks is None else blocks
+        b, s = batch.input_ids.shape
+        if features is None:
+            features = self.target.features(batch.input_ids)
+        noise = self.target.embed(blocks.block_ids)
+        ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
+        masks = self.masks(blocks, s)
+        with torch.autocast(
+            noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+        ):
+            hidden = self.drafter(noise, features, ctx_positions, blocks.block_positions, masks)
+        flat_weights = blocks.weights.flatten()
+        rows = flat_weights.nonzero().flatten()
+        head = self.target.lm_head_weight
+        loss_sum, correct_rows = self.loss(
+            hidden.flatten(0, 1).index_select(0, rows).to(head.dtype),
+            head,
+            blocks.labels.flatten()[rows],
+            flat_weights[rows],
+        )
+        correct = torch.zeros_like(flat_weights, dtype=torch.bool).index_copy_(0, rows, correct_rows)
+        return StepOutput(
+            loss_sum=loss_sum,
+            weight_sum=flat_weights.sum(),
+            stats=acceptance_stats(correct.view_as(blocks.weights), blocks.weights, blocks.block_size),
+        )

@@ -47,7 +47,8 @@ from flashdraft.distributed.topology import (
 )
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import (
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import (
     check_against_target,
     load_drafter,
     make_drafter_config,
@@ -55,18 +56,17 @@ from flashdraft.model.checkpoint import (
     resolve_mask_token_id,
     save_drafter,
 )
-from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.spec import DFlashSpec, default_gamma
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 from flashdraft.run_protocol import Heartbeat
+from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.objective import summarize_acceptance
+from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 from flashdraft.train.resume import check_resume_config
-from flashdraft.train.step import Objective
 from flashdraft.train.window import LogWindow
 
 
@@ -203,8 +203,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     if topo.is_main:
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
     check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
-    target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device, dtype=target_dtype)
+    target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
 
     # ------------------------------------------------------------------ data
     data_kwargs = {

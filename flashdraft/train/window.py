@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from flashdraft.distributed.topology import Topology, all_reduce_sum
-from flashdraft.train.objective import summarize_acceptance
+from flashdraft.train.blocks import summarize_acceptance
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 
 from flashdraft.distributed.parallelize import parallelize
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.blocks import build_blocks, flex_block_masks
 from flashdraft.train.loss import WeightedHeadLoss
-from flashdraft.train.objective import build_blocks, flex_block_masks
-from flashdraft.train.step import Objective
+from flashdraft.train.objective import Objective
 
 from ..train.helpers import MASK_ID, tiny_pair, token_batch
 

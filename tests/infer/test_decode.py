@@ -10,7 +10,7 @@ import torch
 
 from flashdraft.infer.decode import generate
 from flashdraft.infer.sampling import rejection_accept
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
 from .conftest import MASK
@@ -109,8 +109,8 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
     through drafting, rejection and bonus sampling) match the target's exact marginals (TV < 0.06; the
     sampling noise of 2,000 draws over 24 outcomes is about 0.03)."""
     from flashdraft.bench.tiny import save_tiny_target
-    from flashdraft.model.checkpoint import make_drafter_config
     from flashdraft.model.drafter import DFlashDraftModel
+    from flashdraft.model.drafter_dir import make_drafter_config
 
     target_dir = save_tiny_target(
         tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3

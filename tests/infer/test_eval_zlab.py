@@ -11,7 +11,7 @@ import torch
 
 from flashdraft.cli import main
 from flashdraft.infer.decode import generate
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
 

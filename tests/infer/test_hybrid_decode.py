@@ -14,8 +14,8 @@ from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import generate
 from flashdraft.model import target as target_module
-from flashdraft.model.checkpoint import make_drafter_config
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.target import DecodingCache, TargetModel
 
 VOCAB = 64

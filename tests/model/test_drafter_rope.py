@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from flashdraft.bench.tiny import tiny_config
-from flashdraft.model.checkpoint import load_drafter, make_drafter_config, save_drafter
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import load_drafter, make_drafter_config, save_drafter
 
 
 def test_bf16_drafter_keeps_fp32_rotary_frequencies(tmp_path):

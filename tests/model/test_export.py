@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashdraft.cli import main
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
 from .test_zlab_parity import _features_and_block, _our_logits, _zlab_logits

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashdraft.cli import main
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
 zlab = pytest.importorskip("dflash.model", reason="install with: pip install --no-deps dflash==0.1.0")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from flashdraft.data.tokens import TokenBatch
-from flashdraft.model.checkpoint import make_drafter_config
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.target import TargetModel
 
 MASK_ID = 300

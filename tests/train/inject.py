@@ -23,7 +23,7 @@ def _at(spec: str) -> tuple[int, int | None]:
 
 def install(fault: str) -> None:
     from flashdraft.train import metrics
-    from flashdraft.train.step import Objective
+    from flashdraft.train.objective import Objective
 
     what, _, where = fault.partition("@")
     step, rank = _at(where)

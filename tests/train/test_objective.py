@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
+from flashdraft.train.blocks import build_blocks, dense_masks, sample_anchors
 from flashdraft.train.loss import WeightedHeadLoss
-from flashdraft.train.objective import build_blocks, dense_masks, sample_anchors
-from flashdraft.train.step import Objective
+from flashdraft.train.objective import Objective
 
 from .helpers import MASK_ID, tiny_pair, token_batch
 

@@ -17,9 +17,9 @@ import torch
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.train.checkpoint import list_checkpoints, load_trainer_state, verify_checkpoint
-from flashdraft.train.step import Objective
+from flashdraft.train.objective import Objective
 from flashdraft.train.trainer import train
 
 from .test_trainer import REPO, _overrides, train_file  # noqa: F401 - train_file is a fixture

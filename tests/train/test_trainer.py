@@ -176,7 +176,7 @@ def test_schedule_warms_up_then_decays_to_floor():
 
 
 def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3_target, train_file):
-    from flashdraft.model.checkpoint import load_drafter
+    from flashdraft.model.drafter_dir import load_drafter
 
     out = tmp_path / "run"
     train(

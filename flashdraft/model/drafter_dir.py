@@ -1,6 +1,6 @@
 """The drafter directory: `config.json` + `model.safetensors`, as z-lab's released drafters ship them.
 
-Fields and tensor names follow ../shared/reference/dflash.md §1.1 and §2 so that z-lab's reference code,
+Fields and tensor names follow docs/dflash.md §2 so that z-lab's reference code,
 SGLang and vLLM load a flashdraft directory as it is, and flashdraft loads theirs. Anything unknown or
 inconsistent is an error naming the field or tensor, never silently random weights.
 """
@@ -25,7 +25,7 @@ from flashdraft.outputs import check_output_dir
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Rope types a Qwen3-style drafter can carry over from its target; others (e.g. multimodal mrope) fall
-# back to plain RoPE with the target's theta, which is what released Qwen3.5/3.6 drafters use (§2.1).
+# back to plain RoPE with the target's theta, which is what released Qwen3.5/3.6 drafters use (docs/dflash.md §2).
 _PORTABLE_ROPE_TYPES = {"default", "linear", "dynamic", "yarn", "longrope", "llama3"}
 
 
@@ -309,7 +309,7 @@ def resolve_mask_token_id(
     label: str = "model.mask_token_id",
 ) -> int:
     """Explicit id, else the tokenizer's mask token or `<|MASK|>`, else the first embedding row past the
-    tokenizer's entries (Qwen3's 151669 convention, §1.6). Otherwise a clear error saying how to choose.
+    tokenizer's entries (Qwen3's 151669 convention, docs/dflash.md §1). Otherwise a clear error saying how to choose.
     `label` is the setting the user gave the id with (`--mask-token-id` or `model.mask_token_id`)."""
     vocab = int(target.vocab_size)
     if explicit is not None:

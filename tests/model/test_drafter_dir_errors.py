@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.checkpoint import load_drafter
+from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import load_target_config
 
 
@@ -247,7 +247,7 @@ def test_init_refuses_an_existing_output_unless_forced(own_target, tmp_path, cap
 
 
 def test_save_drafter_replaces_a_drafter_but_never_a_directory_it_did_not_write(own_target, tmp_path):
-    from flashdraft.model.checkpoint import save_drafter
+    from flashdraft.model.drafter_dir import save_drafter
 
     out = tmp_path / "best"
     assert main(_init(own_target, out)) == 0
@@ -291,7 +291,7 @@ def test_malformed_config_json_is_one_line_naming_the_field(drafter_dir, config,
 
 
 def test_mask_id_errors_name_the_setting_the_user_used(qwen3_target):
-    from flashdraft.model.checkpoint import resolve_mask_token_id
+    from flashdraft.model.drafter_dir import resolve_mask_token_id
 
     target = load_target_config(qwen3_target)
     with pytest.raises(FlashdraftError, match=r"^model\.mask_token_id 99999 is outside"):
