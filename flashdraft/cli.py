@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from flashdraft.config import EVAL_MAX_NEW_TOKENS, Sampling
 from flashdraft.errors import FlashdraftError
 
 
@@ -71,6 +73,30 @@ def _fp32_only(text: str) -> str:
     return text
 
 
+def add_sampling_flags(parser: argparse.ArgumentParser, **defaults) -> None:
+    """--max-new-tokens, --temperature, --top-p, --top-k, --seed: made from the `Sampling` dataclass's
+    fields (their defaults, help and validator), with per-command `defaults`."""
+    validators = {
+        "positive_int": positive_int,
+        "non_negative_int": non_negative_int,
+        "int": int,
+        "non_negative_float": non_negative_float,
+        "probability": probability,
+    }
+    for knob in dataclasses.fields(Sampling):
+        default = defaults.get(knob.name, knob.default)
+        parser.add_argument(
+            "--" + knob.name.replace("_", "-"),
+            type=validators[knob.metadata["check"]],
+            default=default,
+            help=f"{knob.metadata['help']} (default {default})",
+        )
+
+
+def sampling_from_flags(args: argparse.Namespace) -> Sampling:
+    return Sampling(**{knob.name: getattr(args, knob.name) for knob in dataclasses.fields(Sampling)})
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     from flashdraft.model.drafter_dir import init_drafter
 
@@ -123,7 +149,6 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from flashdraft.data.prepare import PrepareSettings, prepare
-    from flashdraft.data.regenerate import Sampling
 
     settings = PrepareSettings(
         max_length=args.max_length,
@@ -137,13 +162,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         skip_bad_records=args.skip_bad_records,
         force=args.force,
-        sampling=Sampling(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-        ),
+        sampling=sampling_from_flags(args),
     )
     prepare(args.inputs, args.target, args.out, settings, command=args.command_line)
     return 0
@@ -172,14 +191,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     settings = EvalSettings(
         block_size=args.block_size,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        sampling=sampling_from_flags(args),
         thinking=args.thinking,
         check_lossless=args.check_lossless,
         max_prompts=args.max_prompts,
-        seed=args.seed,
         engine=args.engine,
         dtype=args.dtype,
     )
@@ -387,11 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=2048)
-    p.add_argument("--temperature", type=non_negative_float, default=0.0)
-    p.add_argument("--top-p", type=probability, default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_flags(p)
     p.add_argument(
         "--limit", type=non_negative_int, default=0, help="use only the first N conversations (0: all)"
     )
@@ -501,10 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--block-size", type=positive_int, default=None, help="verify block size (default: the drafter's)"
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    p.add_argument("--temperature", type=non_negative_float, default=0.0)
-    p.add_argument("--top-p", type=probability, default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0)
+    add_sampling_flags(p, max_new_tokens=EVAL_MAX_NEW_TOKENS)
     p.add_argument(
         "--thinking", choices=["on", "off"], default=None, help="chat template thinking switch (Qwen3)"
     )
@@ -531,7 +539,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)",
     )
     p.add_argument("--max-prompts", type=non_negative_int, default=0, help="use only the first N (0: all)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--out", default=None, help="write the report as JSON (a file path)")
     p.add_argument(

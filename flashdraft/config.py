@@ -20,11 +20,13 @@ import yaml
 from flashdraft.errors import FlashdraftError
 
 
-def doc(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a one-line description (shown by `flashdraft init --help-config`)."""
+def doc(default: Any, help: str, check: str | None = None) -> Any:
+    """A dataclass field with a default and a one-line description (shown by `flashdraft init --help-config`);
+    `check` names the validator of a command-line flag made from the field (flashdraft/cli.py)."""
+    metadata = {"help": help} if check is None else {"help": help, "check": check}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 # A new drafter's shape when the config leaves it open (the paper's): see resolve_drafter_fields.
@@ -114,6 +116,21 @@ class TrainConfig:
         8,
         "A step with a non-finite loss or gradient norm is skipped (no update); this many in a row stop the run.",
     )
+
+
+@dataclass
+class Sampling:
+    """How answers are generated, by `prepare --regenerate` and `eval` alike: declared once, and the CLI
+    makes both commands' flags from these fields."""
+
+    max_new_tokens: int = doc(2048, "tokens generated per answer at most", "positive_int")
+    temperature: float = doc(0.0, "0: greedy; above 0: sample at this temperature", "non_negative_float")
+    top_p: float = doc(1.0, "nucleus sampling mass (1: off)", "probability")
+    top_k: int = doc(0, "sample among the k most likely tokens (0: off)", "non_negative_int")
+    seed: int = doc(0, "seed of the sampler", "int")
+
+
+EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than regeneration writes
 
 
 @dataclass

@@ -31,8 +31,8 @@ import torch
 
 from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import TARGETS, build_random_target
-from flashdraft.config import load_config
-from flashdraft.data.regenerate import LocalEngine, Sampling
+from flashdraft.config import Sampling, load_config
+from flashdraft.data.regenerate import LocalEngine
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.train.trainer import train
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         str(work / "target"),
         str(drafter),
         str(work / "prompts.jsonl"),
-        EvalSettings(max_new_tokens=args.max_new_tokens, check_lossless=True),
+        EvalSettings(sampling=Sampling(max_new_tokens=args.max_new_tokens), check_lossless=True),
         device=device,
         out=str(work / "eval.json"),
         plot_path=str(work / "eval.png"),

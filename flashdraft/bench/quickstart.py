@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.bench.tiny import save_tiny_target
-from flashdraft.config import load_config
+from flashdraft.config import Sampling, load_config
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.train.trainer import train
 
@@ -121,7 +121,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int = 60) -> dict:
         str(target_dir),
         str(out / "run" / "best"),
         str(out / "prompts.jsonl"),
-        EvalSettings(max_new_tokens=48, check_lossless=True),
+        EvalSettings(sampling=Sampling(max_new_tokens=48), check_lossless=True),
         device="cpu",
         out=str(out / "eval.json"),
         plot_path=str(out / "eval.png"),

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from flashdraft.bench.provenance import provenance
-from flashdraft.data.regenerate import LocalEngine, Sampling
+from flashdraft.config import Sampling
+from flashdraft.data.regenerate import LocalEngine
 
 ONE_B = dict(
     vocab_size=151936,

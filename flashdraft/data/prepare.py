@@ -17,8 +17,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
-from flashdraft.data.regenerate import LocalEngine, Sampling, ServerEngine, journal_key, regenerate
+from flashdraft.data.regenerate import LocalEngine, ServerEngine, journal_key, regenerate
 from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records

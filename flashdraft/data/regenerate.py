@@ -19,24 +19,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from flashdraft.config import Sampling
 from flashdraft.data.render import apply_chat_template
 from flashdraft.errors import FlashdraftError
-
-
-@dataclass
-class Sampling:
-    max_new_tokens: int = 2048
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
 
 Messages = list[dict[str, str]]
 

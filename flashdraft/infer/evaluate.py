@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from flashdraft.config import EVAL_MAX_NEW_TOKENS, Sampling
 from flashdraft.data.chat import normalise, prompt_ids
 from flashdraft.data.sources import read_records
 from flashdraft.durable import disk_full_reason
@@ -41,16 +42,12 @@ from flashdraft.outputs import check_output_file
 @dataclass
 class EvalSettings:
     block_size: int | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: Sampling = field(default_factory=lambda: Sampling(max_new_tokens=EVAL_MAX_NEW_TOKENS))
     thinking: str | None = None
     check_lossless: bool | str = (
         False  # False, True (at the eval's dtype) or "fp32" (diverged prompts rerun in fp32)
     )
     max_prompts: int = 0
-    seed: int = 0
     engine: str = "flashdraft"  # "zlab": also run z-lab's dflash_generate on the same prompts
     dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32
 
@@ -140,15 +137,15 @@ def resolve_device(device: str) -> torch.device:
 
 def _check_settings(settings: EvalSettings) -> None:
     """The same limits as the command's flags, for callers that build settings in code."""
-    if settings.max_new_tokens < 1:
-        raise FlashdraftError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
+    if settings.sampling.max_new_tokens < 1:
+        raise FlashdraftError(f"--max-new-tokens must be at least 1, got {settings.sampling.max_new_tokens}")
     if settings.block_size is not None and settings.block_size < 1:
         raise FlashdraftError(f"--block-size must be at least 1, got {settings.block_size}")
     if settings.max_prompts < 0:
         raise FlashdraftError(f"--max-prompts must be 0 (all) or more, got {settings.max_prompts}")
     if settings.check_lossless not in (False, True, "fp32"):
         raise FlashdraftError(f"--check-lossless {settings.check_lossless!r}: give no value, or fp32")
-    if settings.check_lossless and settings.temperature != 0:
+    if settings.check_lossless and settings.sampling.temperature != 0:
         raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
     if settings.engine not in ENGINES:
         raise FlashdraftError(f"--engine {settings.engine}: expected one of {', '.join(ENGINES)}")
@@ -229,18 +226,18 @@ def run_eval(
     block = settings.block_size or drafter.block_size
     stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
-    g = torch.Generator(device=dev).manual_seed(settings.seed)
+    g = torch.Generator(device=dev).manual_seed(settings.sampling.seed)
 
     def run(prompt: torch.Tensor, with_drafter: bool) -> Generation:
         return generate(
             target,
             drafter if with_drafter else None,
             prompt,
-            settings.max_new_tokens,
+            settings.sampling.max_new_tokens,
             block_size=block,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
+            temperature=settings.sampling.temperature,
+            top_p=settings.sampling.top_p,
+            top_k=settings.sampling.top_k,
             stop_token_ids=stop_ids,
             generator=g,
         )
@@ -269,7 +266,7 @@ def run_eval(
             "prompts_file": str(prompts),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
             "dtype": str(dtype).removeprefix("torch."),
-            "settings": settings.__dict__,
+            "settings": asdict(settings),
             "producer": PRODUCER,
         }
     )
@@ -288,7 +285,9 @@ def run_eval(
     if settings.check_lossless:
         report["lossless"] = lossless_summary(len(encoded), divergences)
 
-    table = Table(title=f"flashdraft eval: {len(encoded)} prompts, block {block}, T={settings.temperature}")
+    table = Table(
+        title=f"flashdraft eval: {len(encoded)} prompts, block {block}, T={settings.sampling.temperature}"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("τ (per-prompt mean of accepted + 1, z-lab)", f"{report['tau']:.3f}")
@@ -375,9 +374,9 @@ def recheck_fp32(
     stop_ids: list[int],
 ) -> dict[str, Any]:
     """Rerun plain and speculative greedy decoding of one prompt with target and drafter in fp32."""
-    plain = generate(target, None, prompt, settings.max_new_tokens, stop_token_ids=stop_ids)
+    plain = generate(target, None, prompt, settings.sampling.max_new_tokens, stop_token_ids=stop_ids)
     spec = generate(
-        target, drafter, prompt, settings.max_new_tokens, block_size=block, stop_token_ids=stop_ids
+        target, drafter, prompt, settings.sampling.max_new_tokens, block_size=block, stop_token_ids=stop_ids
     )
     return {
         "identical": plain.tokens == spec.tokens,
@@ -415,18 +414,18 @@ def zlab_comparison(
     import dflash.model as zlab_model
 
     zdrafter = zlab_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(target.device).eval()
-    torch.manual_seed(settings.seed)  # z-lab samples from the global generator at T > 0
+    torch.manual_seed(settings.sampling.seed)  # z-lab samples from the global generator at T > 0
 
     def run(prompt: torch.Tensor):
         return zlab_model.dflash_generate(
             zdrafter,
             target.model,
             prompt.to(target.device),
-            settings.max_new_tokens,
+            settings.sampling.max_new_tokens,
             stop_ids or None,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
+            temperature=settings.sampling.temperature,
+            top_p=settings.sampling.top_p,
+            top_k=settings.sampling.top_k,
             block_size=block,
             return_stats=True,
         )
