@@ -4,9 +4,14 @@ small (or read-only) filesystem for disk-full tests."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -100,3 +105,43 @@ def tmpfs(directory: Path, size: str, *, read_only: bool = False) -> Iterator[Pa
 
 def remount(directory: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(directory)], check=True)
+
+
+@dataclass
+class FakeChatServer:
+    """An OpenAI-compatible chat endpoint on loopback: answers with `answer(request body)`, records every
+    request in `seen`, and waits `delay` seconds before each reply (to be killed mid-run)."""
+
+    answer: Callable[[dict], str]
+    url: str = ""
+    delay: float = 0.0
+    seen: list[dict] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def fake_chat_server(answer: Callable[[dict], str]) -> Iterator[FakeChatServer]:
+    server = FakeChatServer(answer)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            server.seen.append(body)
+            time.sleep(server.delay)
+            reply = {"choices": [{"message": {"role": "assistant", "content": server.answer(body)}}]}
+            payload = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        yield server
+    finally:
+        httpd.shutdown()

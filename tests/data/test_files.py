@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
@@ -21,7 +18,7 @@ from flashdraft.data.tokens import load_token_dataset
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.doctor import _data
 
-from .helpers import make_tokenizer, tmpfs
+from .helpers import fake_chat_server, make_tokenizer, tmpfs
 
 CHAT = {
     "messages": [
@@ -269,47 +266,28 @@ def test_unverifiable_tokenizer_warns_and_ids_beyond_the_vocabulary_name_file_an
 # ---------------------------------------------------------------- the regeneration journal
 
 
-class _Echo(BaseHTTPRequestHandler):
-    """Answers with a word that depends on the question, so a stale answer is visible."""
-
-    seen: ClassVar[list[dict]] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append(body)
-        answer = {"hi": "ok", "why": "because"}.get(body["messages"][-1]["content"], "sure")
-        payload = json.dumps({"choices": [{"message": {"content": answer}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture()
 def server():
-    _Echo.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    """Answers with a word that depends on the question, so a stale answer is visible."""
+    with fake_chat_server(
+        lambda body: {"hi": "ok", "why": "because"}.get(body["messages"][-1]["content"], "sure")
+    ) as fake:
+        yield fake
 
 
 def test_rerun_with_other_input_or_settings_never_reuses_a_stale_answer(tmp_path, target, server):
     data, out = tmp_path / "in.jsonl", tmp_path / "shards"
-    regen = ["--regenerate", "--server-url", server]
+    regen = ["--regenerate", "--server-url", server.url]
     _write(data, [{"messages": [{"role": "user", "content": "hi"}]}])
     assert main([*_prepare([data], target, out), *regen]) == 0
     _write(data, [{"messages": [{"role": "user", "content": "why"}]}])  # same position, other question
     assert main([*_prepare([data], target, out), *regen]) == 0
     answers = {c[0]["content"]: c[-1]["content"] for c in read_journal(out / "regenerated.jsonl").values()}
-    assert answers == {"hi": "ok", "why": "because"} and len(_Echo.seen) == 2
+    assert answers == {"hi": "ok", "why": "because"} and len(server.seen) == 2
     assert main([*_prepare([data], target, out), *regen]) == 0  # same input and settings: reused
-    assert len(_Echo.seen) == 2
+    assert len(server.seen) == 2
     assert main([*_prepare([data], target, out), *regen, "--temperature", "0.5"]) == 0  # other settings
-    assert len(_Echo.seen) == 3 and _Echo.seen[-1]["temperature"] == 0.5
+    assert len(server.seen) == 3 and server.seen[-1]["temperature"] == 0.5
 
 
 def test_skip_bad_records_also_skips_conversations_that_cannot_be_rendered(tmp_path, target, capsys):

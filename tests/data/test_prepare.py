@@ -8,11 +8,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
@@ -24,7 +21,7 @@ from flashdraft.data.shards import open_shards
 from flashdraft.errors import FlashdraftError
 from flashdraft.train.trainer import train
 
-from .helpers import make_tokenizer
+from .helpers import fake_chat_server, make_tokenizer
 
 CONVS = [
     {
@@ -219,33 +216,10 @@ def test_parquet_and_datasets_folders(tmp_path, target):
         assert json.loads((out / "manifest.json").read_text())["samples"] == 3
 
 
-class _Replies(BaseHTTPRequestHandler):
-    delay = 0.0
-    seen: ClassVar[list[dict]] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).seen.append(body)
-        time.sleep(type(self).delay)
-        answer = "ok" if len(body["messages"]) < 3 else "sure"
-        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture()
 def server():
-    _Replies.seen, _Replies.delay = [], 0.0
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Replies)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", _Replies
-    httpd.shutdown()
+    with fake_chat_server(lambda body: "ok" if len(body["messages"]) < 3 else "sure") as fake:
+        yield fake.url, fake
 
 
 def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server):
