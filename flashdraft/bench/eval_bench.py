@@ -33,6 +33,7 @@ from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import TARGETS, build_random_target
 from flashdraft.config import Sampling, load_config
 from flashdraft.data.regenerate import LocalEngine
+from flashdraft.durable import atomic_write_json, atomic_write_text
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.train.trainer import train
 
@@ -128,11 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     answers = LocalEngine(
         model, None, Sampling(max_new_tokens=args.new_tokens), None, batch_size=128
     ).generate_ids(prompts)
-    with (work / "train.jsonl").open("w") as handle:
-        for p, a in zip(prompts[: args.samples], answers[: args.samples], strict=True):
-            handle.write(json.dumps({"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)}) + "\n")
-    (work / "prompts.jsonl").write_text(
-        "".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples :])
+    atomic_write_text(
+        work / "train.jsonl",
+        "".join(
+            json.dumps({"input_ids": p + a, "loss_mask": [0] * len(p) + [1] * len(a)}) + "\n"
+            for p, a in zip(prompts[: args.samples], answers[: args.samples], strict=True)
+        ),
+    )
+    atomic_write_text(
+        work / "prompts.jsonl", "".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples :])
     )
     model.save_pretrained(work / "target")
     model_shape = {"kind": "tiny" if args.tiny else args.target, **model.config.to_diff_dict()}
@@ -195,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        atomic_write_json(args.out, report, indent=2)
     print(
         json.dumps(
             {k: report[k] for k in ("tau", "tau_pooled", "speedup", "tokens_per_s", "baseline_tokens_per_s")}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
 from flashdraft.bench.provenance import provenance
 from flashdraft.config import Sampling
 from flashdraft.data.regenerate import LocalEngine
+from flashdraft.durable import atomic_write_json
 
 ONE_B = dict(
     vocab_size=151936,
@@ -94,5 +94,5 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(args.out, result, indent=2)
     return 0

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -23,6 +21,7 @@ from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
+from flashdraft.durable import atomic_write_json
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.spec import build_target_layer_ids
@@ -299,6 +298,5 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("      breakdown:", r["breakdown_ms"], "| warmup", r["warmup_s"], "s")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        atomic_write_json(args.out, report, indent=2)
     return 0
