@@ -17,16 +17,10 @@ import psutil
 import pytest
 
 from flashdraft.run_protocol import read_json
+from tests.faults import fault_env
 
 pytestmark = pytest.mark.slow
 FLASHDRAFT = shutil.which("flashdraft") or f"{sys.executable} -m flashdraft"
-FAULTS_DIR = Path(__file__).parent / "faults"
-
-
-def fault_env(spec: str) -> dict[str, str]:
-    """The environment that injects fault `spec` (tests/run/faults/flashdraft_test_faults.py)."""
-    path = os.pathsep.join(p for p in (str(FAULTS_DIR), os.environ.get("PYTHONPATH")) if p)
-    return {"FLASHDRAFT_TEST_FAULT": spec, "PYTHONPATH": path}
 
 
 def fault(spec: str) -> list[str]:

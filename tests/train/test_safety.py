@@ -21,8 +21,9 @@ from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.train.checkpoint import list_checkpoints, load_trainer_state, verify_checkpoint
 from flashdraft.train.objective import Objective
 from flashdraft.train.trainer import train
+from tests.faults import fault_env
 
-from .test_trainer import REPO, _overrides, train_file  # noqa: F401 - train_file is a fixture
+from .test_trainer import _overrides, train_file  # noqa: F401 - train_file is a fixture
 
 
 def _rows(out: Path) -> list[dict]:
@@ -206,16 +207,14 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path, qw
             "--standalone",
             "--nproc-per-node=2",
             "-m",
-            "tests.train.inject",
-            "inf-loss@3:1",  # rank 1 only; its gradients stay finite
-            "--",
+            "flashdraft",
             "train",
             *overrides,
         ],
-        env={**os.environ, "FLASHDRAFT_RUN_DIR": str(run_dir)},
+        # rank 1 only; its gradients stay finite
+        env={**os.environ, **fault_env("inf-loss@3:1"), "FLASHDRAFT_RUN_DIR": str(run_dir)},
         capture_output=True,
         text=True,
-        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     finals = [json.loads((run_dir / f"rank{r}" / "final.json").read_text()) for r in (0, 1)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.train import trainer
 from flashdraft.train.checkpoint import list_checkpoints
 from flashdraft.train.trainer import lr_lambda, train
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.faults import fault_env
 
 
 def crash_after_checkpoint(monkeypatch, step: int) -> None:
@@ -80,10 +80,10 @@ def test_resume_after_sigkill_is_exact_and_logs_each_step_once(tmp_path, qwen3_t
     killed = tmp_path / "killed"
     args = ["train", *_overrides(qwen3_target, train_file, killed)]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.train.inject", "kill-after-log@6", "--", *args],
+        [sys.executable, "-m", "flashdraft", *args],
+        env={**os.environ, **fault_env("kill-after-log@6")},
         capture_output=True,
         text=True,
-        cwd=REPO,
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [p.name for p in list_checkpoints(killed)] == ["step-00000004"]

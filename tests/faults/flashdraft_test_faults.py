@@ -5,6 +5,9 @@ FLASHDRAFT_TEST_FAULT selects one fault:
     kill@N | raise@N | hang@N | oom@N   at the heartbeat of training step N (`:R` for rank R only)
     diskfull@N                          fill the run directory's filesystem as step N's checkpoint begins
     supervisor-dies                     the supervisor exits at start-up, before it reads anything
+    kill-after-log@N                    SIGKILL once the metrics of step N are logged
+    inf-loss@N[:R]                      the loss of step N (on rank R) reads inf while its gradients stay
+                                        finite: only an agreement across ranks makes every rank skip it
 
 Step faults wrap `flashdraft.run_protocol.Heartbeat.beat`, which the trainer calls with `step=` after
 every optimizer step and with phase "checkpointing" before each checkpoint.
@@ -53,6 +56,37 @@ def _trigger(what: str, step: int) -> None:
     raise ValueError(f"{FAULT_ENV}: unknown fault {what!r}")
 
 
+def _kill_after_log(step_at: int) -> None:
+    from flashdraft.train import metrics
+
+    real_log = metrics.MetricsLogger.log
+
+    def log_then_kill(self, at, values, kind="train"):
+        real_log(self, at, values, kind)
+        if at == step_at and kind == "train":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    metrics.MetricsLogger.log = log_then_kill
+
+
+def _inf_loss(step_at: int, rank_at: int | None) -> None:
+    import torch
+
+    from flashdraft.train.objective import Objective
+
+    real_call = Objective.__call__
+    calls = {"n": 0}  # one objective call per optimizer step (grad_accum 1)
+
+    def call(self, *args, **kwargs):
+        out = real_call(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == step_at and rank_at in (None, int(os.environ.get("RANK", "0"))):
+            out.loss_sum = out.loss_sum + torch.tensor(float("inf"))  # d/dx (x + c) = 1: finite grads
+        return out
+
+    Objective.__call__ = call
+
+
 def install() -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec == "supervisor-dies":
@@ -65,6 +99,12 @@ def install() -> None:
     what, at = spec.split("@", 1)
     at, _, only_rank = at.partition(":")
     step_at, rank_at = int(at), int(only_rank) if only_rank else None
+    if what == "kill-after-log":
+        _kill_after_log(step_at)
+        return
+    if what == "inf-loss":
+        _inf_loss(step_at, rank_at)
+        return
 
     from flashdraft.run_protocol import Heartbeat
 
