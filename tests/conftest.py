@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from flashdraft.bench.tiny import save_tiny_target
+
+# Tiny models: one intra-op thread is several times faster than two on the 2-core CI machine (thread
+# wake-up per op dominates), here and in every subprocess a test starts (they inherit the variable).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
