@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
-import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -82,29 +78,6 @@ def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
         )
         fast.chat_template = LLAMA_GENERATION_TEMPLATE if style == "llama-generation" else LLAMA_TEMPLATE
     return fast
-
-
-@contextlib.contextmanager
-def tmpfs(directory: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
-    """A real tmpfs of `size` (e.g. '256k') mounted on `directory` for the block; unmounted afterwards.
-    Skips the test with the reason when we are not root or the mount is refused."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    directory.mkdir(parents=True, exist_ok=True)
-    options = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-
-
-def remount(directory: Path, options: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{options}", str(directory)], check=True)
 
 
 @dataclass

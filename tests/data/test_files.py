@@ -17,8 +17,9 @@ from flashdraft.data.shards import write_shards
 from flashdraft.data.tokens import load_token_dataset
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.doctor import _data
+from tests.filesystems import tmpfs
 
-from .helpers import fake_chat_server, make_tokenizer, tmpfs
+from .helpers import fake_chat_server, make_tokenizer
 
 CHAT = {
     "messages": [

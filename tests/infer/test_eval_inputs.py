@@ -74,7 +74,7 @@ def test_plot_that_is_a_directory_or_an_unknown_format_is_refused(pair, tmp_path
 
 
 def test_out_in_a_read_only_directory_is_refused_up_front(pair, tmp_path, capsys, no_model_load):
-    from tests.data.helpers import tmpfs
+    from tests.filesystems import tmpfs
 
     with tmpfs(tmp_path / "ro", "64k", read_only=True) as ro:
         err = _one_line_error(capsys, _eval(pair, "--out", str(ro / "report.json")))

@@ -19,6 +19,7 @@ from flashdraft.run.launcher import ENTRY
 from flashdraft.run.monitor import run_state, stop_run
 from flashdraft.run.processes import start_time
 from flashdraft.run_protocol import RUN_ID_ENV, Heartbeat, read_json, write_json
+from tests.filesystems import tmpfs
 
 from .test_faults import (
     FLASHDRAFT,
@@ -175,21 +176,9 @@ def test_launch_resume_continues_a_stopped_run_in_its_own_directory(setup):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real, small filesystem: a tmpfs mounted for the test (needs root)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    """A real, small filesystem for the test."""
+    with tmpfs(tmp_path / "disk", "32m") as disk:
+        yield disk
 
 
 @pytest.mark.slow

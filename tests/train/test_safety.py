@@ -4,7 +4,6 @@ changed settings."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -22,6 +21,7 @@ from flashdraft.train.checkpoint import list_checkpoints, load_trainer_state, ve
 from flashdraft.train.objective import Objective
 from flashdraft.train.trainer import train
 from tests.faults import fault_env
+from tests.filesystems import tmpfs
 
 from .test_trainer import _overrides, train_file  # noqa: F401 - train_file is a fixture
 
@@ -88,27 +88,13 @@ def test_resume_auto_skips_damaged_checkpoints_and_says_which_and_why(
     verify_checkpoint(out / "checkpoints" / "step-00000008")
 
 
-@contextlib.contextmanager
-def _small_disk(path: Path, size: str):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    path.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=False)
-    if mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def test_a_full_disk_during_a_checkpoint_is_named_and_leaves_earlier_checkpoints_intact(
     tmp_path,
     qwen3_target,
     train_file,  # noqa: F811
 ):
     # One checkpoint of this drafter (1 layer) takes about 530 kB: the first fits in 800 kB, a second does not.
-    with _small_disk(tmp_path / "disk", "800k") as disk:
+    with tmpfs(tmp_path / "disk", "800k") as disk:
         out = disk / "run"
         with pytest.raises(FlashdraftError) as info:
             _run(
