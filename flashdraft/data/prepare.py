@@ -159,9 +159,15 @@ def prepare(
             )
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
-        conversations = [
-            (done[key], where) for (key, _), (_, where) in zip(items, conversations, strict=True)
-        ]
+        kept = []
+        for (key, _), (_, where) in zip(items, conversations, strict=True):
+            # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
+            # learn to end turns where the target does not. Such conversations are dropped and counted.
+            if "length" in done[key].finish_reasons:
+                dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
+                continue
+            kept.append((done[key].messages, where))
+        conversations = kept
         sampling_record = engine.describe()
 
     samples, supervised, total = [], 0, 0

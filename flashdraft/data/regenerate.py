@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,11 @@ from flashdraft.data.render import apply_chat_template
 from flashdraft.errors import FlashdraftError
 
 Messages = list[dict[str, str]]
+
+
+# An answer and why it ended, in the OpenAI API's words: "stop" (an end-of-turn token), "length" (cut at
+# --max-new-tokens: not a finished answer, docs/inputs-and-outputs.md), or None when an engine does not say.
+Answer = tuple[str, str | None]
 
 
 class ServerEngine:
@@ -50,7 +55,7 @@ class ServerEngine:
         self.model, self.sampling, self.thinking = model, sampling, thinking
         self.concurrency, self.timeout = concurrency, timeout
 
-    def _one(self, messages: Messages) -> str:
+    def _one(self, messages: Messages) -> Answer:
         body = {
             "model": self.model or "default",
             "messages": messages,
@@ -74,11 +79,12 @@ class ServerEngine:
         except (urllib.error.URLError, TimeoutError) as exc:
             raise FlashdraftError(f"server {self.url}: {getattr(exc, 'reason', exc)}") from None
         try:
-            return reply["choices"][0]["message"]["content"]
+            choice = reply["choices"][0]
+            return choice["message"]["content"], choice.get("finish_reason")
         except (KeyError, IndexError, TypeError):
             raise FlashdraftError(f"server {self.url}: unexpected reply {str(reply)[:300]}") from None
 
-    def complete(self, conversations: list[Messages]) -> list[str]:
+    def complete(self, conversations: list[Messages]) -> list[Answer]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(self._one, conversations))
 
@@ -105,9 +111,16 @@ class LocalEngine:
         )
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def complete(self, conversations: list[Messages]) -> list[str]:
+    def complete(self, conversations: list[Messages]) -> list[Answer]:
         outputs = self.generate_ids([self._prompt(m) for m in conversations])
-        return [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in outputs]
+        eos = self.tokenizer.eos_token_id
+        return [
+            (
+                self.tokenizer.decode(ids, skip_special_tokens=True),
+                "stop" if ids and ids[-1] == eos else "length",
+            )
+            for ids in outputs
+        ]
 
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -165,10 +178,16 @@ def journal_key(messages: Messages, occurrence: int, settings: dict[str, Any]) -
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def read_journal(path: Path) -> dict[str, Messages]:
+@dataclass
+class Regenerated:
+    messages: Messages
+    finish_reasons: list[str | None]  # one per regenerated assistant turn, in order
+
+
+def read_journal(path: Path) -> dict[str, Regenerated]:
     """Finished conversations by `journal_key`; a torn last line (a crash mid-write) and lines of an older
     journal format (keyed by position, which cannot be trusted) are dropped."""
-    done: dict[str, Messages] = {}
+    done: dict[str, Regenerated] = {}
     if not path.exists():
         return done
     with path.open("rb") as handle:
@@ -178,20 +197,20 @@ def read_journal(path: Path) -> dict[str, Messages]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             if isinstance(record, dict) and isinstance(record.get("key"), str) and "messages" in record:
-                done[record["key"]] = record["messages"]
+                done[record["key"]] = Regenerated(record["messages"], record.get("finish_reasons") or [])
     return done
 
 
 def regenerate(
     items: list[tuple[str, Messages]],
-    complete: Callable[[list[Messages]], list[str]],
+    complete: Callable[[list[Messages]], list[Answer]],
     journal: Path,
     chunk: int = 256,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Messages]:
     """Regenerate every assistant turn of every (key, conversation), turn by turn (turn k sees the
     regenerated turns before it), `chunk` conversations at a time; finished ones are journaled as they
-    complete. Returns the regenerated conversation of every key in `items`."""
+    complete. Returns the regenerated conversation of every key in `items`, with why each answer ended."""
     done = read_journal(journal)
     wanted = {key for key, _ in items}
     todo = [(key, m) for key, m in items if key not in done]
@@ -200,6 +219,7 @@ def regenerate(
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
             convs: dict[str, Messages] = {key: [] for key, _ in group}
+            reasons: dict[str, list[str | None]] = {key: [] for key, _ in group}
             remaining = {key: list(m) for key, m in group}
             while remaining:
                 asking = []
@@ -213,12 +233,14 @@ def regenerate(
                 if not asking:
                     break
                 answers = complete([convs[key] for key in asking])
-                for key, answer in zip(asking, answers, strict=True):
+                for key, (answer, reason) in zip(asking, answers, strict=True):
                     remaining[key].pop(0)  # the original assistant turn is replaced
                     convs[key].append({"role": "assistant", "content": answer})
+                    reasons[key].append(reason)
             for key, _ in group:
-                handle.write(json.dumps({"key": key, "messages": convs[key]}, ensure_ascii=False) + "\n")
-                done[key] = convs[key]
+                record = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                done[key] = Regenerated(convs[key], reasons[key])
             handle.flush()
             os.fsync(handle.fileno())
             if on_progress:

@@ -85,14 +85,14 @@ class FakeChatServer:
     """An OpenAI-compatible chat endpoint on loopback: answers with `answer(request body)`, records every
     request in `seen`, and waits `delay` seconds before each reply (to be killed mid-run)."""
 
-    answer: Callable[[dict], str]
+    answer: Callable[[dict], str | tuple[str, str]]  # the content, or (content, finish_reason)
     url: str = ""
     delay: float = 0.0
     seen: list[dict] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def fake_chat_server(answer: Callable[[dict], str]) -> Iterator[FakeChatServer]:
+def fake_chat_server(answer: Callable[[dict], str | tuple[str, str]]) -> Iterator[FakeChatServer]:
     server = FakeChatServer(answer)
 
     class Handler(BaseHTTPRequestHandler):
@@ -100,7 +100,11 @@ def fake_chat_server(answer: Callable[[dict], str]) -> Iterator[FakeChatServer]:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             server.seen.append(body)
             time.sleep(server.delay)
-            reply = {"choices": [{"message": {"role": "assistant", "content": server.answer(body)}}]}
+            answer = server.answer(body)
+            content, reason = answer if isinstance(answer, tuple) else (answer, "stop")
+            reply = {
+                "choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": reason}]
+            }
             payload = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

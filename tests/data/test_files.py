@@ -283,7 +283,10 @@ def test_rerun_with_other_input_or_settings_never_reuses_a_stale_answer(tmp_path
     assert main([*_prepare([data], target, out), *regen]) == 0
     _write(data, [{"messages": [{"role": "user", "content": "why"}]}])  # same position, other question
     assert main([*_prepare([data], target, out), *regen]) == 0
-    answers = {c[0]["content"]: c[-1]["content"] for c in read_journal(out / "regenerated.jsonl").values()}
+    answers = {
+        r.messages[0]["content"]: r.messages[-1]["content"]
+        for r in read_journal(out / "regenerated.jsonl").values()
+    }
     assert answers == {"hi": "ok", "why": "because"} and len(server.seen) == 2
     assert main([*_prepare([data], target, out), *regen]) == 0  # same input and settings: reused
     assert len(server.seen) == 2

@@ -59,7 +59,10 @@ def target(tmp_path_factory) -> Path:
 
 def _by_first_user(journal: dict) -> dict:
     """Journaled conversations by their first user turn (the journal is keyed by hashes)."""
-    return {next(m["content"] for m in conv if m["role"] == "user"): conv for conv in journal.values()}
+    return {
+        next(m["content"] for m in done.messages if m["role"] == "user"): done.messages
+        for done in journal.values()
+    }
 
 
 def _write(path: Path, records) -> Path:
@@ -307,30 +310,20 @@ def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path,
     assert json.loads((out / "manifest.json").read_text())["samples"] == 24
 
 
-def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, target):
+def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, target, capsys):
     import torch
     from transformers import AutoModelForCausalLM
 
     data = _write(tmp_path / "in.jsonl", [CONVS[0]])
     out = tmp_path / "s"
-    assert (
-        main(
-            [
-                "prepare",
-                str(data),
-                "--target",
-                str(target),
-                "--out",
-                str(out),
-                "--regenerate",
-                "--max-new-tokens",
-                "6",
-            ]
-        )
-        == 0
-    )
-    (conversation,) = read_journal(out / "regenerated.jsonl").values()
-    answer = conversation[-1]["content"]
+    args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+    # The random target does not end its turn within 6 tokens: the answer is journaled with its finish
+    # reason, and not taught as a finished answer (the only conversation is dropped, so nothing is kept).
+    assert main([*args, "--max-new-tokens", "6"]) == 2
+    assert "1 answer cut at --max-new-tokens 6" in capsys.readouterr().err
+    (regenerated,) = read_journal(out / "regenerated.jsonl").values()
+    assert regenerated.finish_reasons == ["length"]
+    answer = regenerated.messages[-1]["content"]
     tok = make_tokenizer("qwen")
     model = AutoModelForCausalLM.from_pretrained(target)
     prompt = tok.apply_chat_template(CONVS[0]["messages"][:2], add_generation_prompt=True, tokenize=True)
@@ -344,3 +337,17 @@ def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, targ
         pad_token_id=tok.eos_token_id,
     )
     assert answer == tok.decode(expected[0, len(prompt) :], skip_special_tokens=True)
+
+
+def test_an_answer_cut_at_max_new_tokens_is_dropped_and_counted(tmp_path, target):
+    """Guard: a regenerated answer that ended at the token limit is not taught as a finished answer."""
+    with fake_chat_server(lambda body: ("cut sho", "length") if "2+2" in str(body) else "ok") as fake:
+        data = _write(tmp_path / "in.jsonl", CONVS)
+        out = tmp_path / "s"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        assert main([*args, "--server-url", fake.url, "--max-new-tokens", "7"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dropped"]["answer cut at --max-new-tokens 7"] == 1
+    assert manifest["conversations"] == len(CONVS) - 1
+    reasons = [r.finish_reasons for r in read_journal(out / "regenerated.jsonl").values()]
+    assert ["length"] in [sorted(set(r)) for r in reasons]
