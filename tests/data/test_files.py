@@ -38,18 +38,6 @@ STRICT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return save_tiny_target(
-        tmp_path_factory.mktemp("t") / "target",
-        "qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=4,
-        tokenizer=make_tokenizer("qwen"),
-    )
-
-
 def _write(path: Path, records, opener=open) -> Path:
     with opener(path, "wt", encoding="utf-8") as handle:
         handle.write("".join(json.dumps(r) + "\n" for r in records))

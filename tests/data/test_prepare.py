@@ -44,19 +44,6 @@ CONVS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    """A tiny Qwen3 target whose tokenizer is the Qwen-style word tokenizer (vocab fits the embedding)."""
-    return save_tiny_target(
-        tmp_path_factory.mktemp("t") / "target",
-        "qwen3",
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=4,
-        tokenizer=make_tokenizer("qwen"),
-    )
-
-
 def _by_first_user(journal: dict) -> dict:
     """Journaled conversations by their first user turn (the journal is keyed by hashes)."""
     return {
