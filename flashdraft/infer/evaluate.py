@@ -298,6 +298,11 @@ def run_eval(
         table.add_row(
             "prompts with step-identical acceptance (z-lab)", f"{z['identical_steps']} / {len(encoded)}"
         )
+        shared = z["shared_text"]
+        table.add_row(
+            f"τ on the {shared['tokens']} tokens both wrote alike (ours / z-lab)",
+            f"{shared['tau_flashdraft']:.3f} / {shared['tau_zlab']:.3f}",
+        )
     table.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
     table.add_row("plain tokens/s (same code, B=1)", f"{report['baseline_tokens_per_s']:.1f}")
     table.add_row("speedup", f"{report['speedup']:.2f}x")
@@ -398,6 +403,48 @@ def _zlab_timer_off_cuda(zlab_model, device: torch.device) -> Iterator[None]:
         zlab_model._cuda_time = saved
 
 
+def shared_prefix_length(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def steps_within(accepted: list[int], length: int) -> list[int]:
+    """The acceptance lengths of the decode steps that committed only tokens among the first `length` of
+    the output (token 0 comes from the prefill; step k commits the next `accepted[k]` tokens)."""
+    kept, committed = [], 1
+    for produced in accepted:
+        committed += produced
+        if committed > length:
+            break
+        kept.append(produced)
+    return kept
+
+
+def tau_on_shared_text(runs: list[tuple[list[int], list[int], list[int], list[int]]]) -> dict[str, Any]:
+    """τ of two decoding loops measured only where both wrote the same text: per prompt (tokens_a,
+    accepted_a, tokens_b, accepted_b), the steps that lie inside the outputs' common prefix. Equal τ here
+    and different τ overall means the loops agree and their texts parted at a numerical tie (bf16); a
+    difference here is a systematic difference in drafting or verifying (docs/export-and-eval.md)."""
+    steps_a, steps_b, shared = [], [], 0
+    for tokens_a, accepted_a, tokens_b, accepted_b in runs:
+        length = shared_prefix_length(tokens_a, tokens_b)
+        shared += length
+        steps_a += steps_within(accepted_a, length)
+        steps_b += steps_within(accepted_b, length)
+    return {
+        "shared_tokens": shared,
+        "tau_a": sum(steps_a) / len(steps_a) if steps_a else float("nan"),
+        "tau_b": sum(steps_b) / len(steps_b) if steps_b else float("nan"),
+        "steps_a": len(steps_a),
+        "steps_b": len(steps_b),
+    }
+
+
 def zlab_comparison(
     drafter_dir: str,
     target: TargetModel,
@@ -453,6 +500,17 @@ def zlab_comparison(
                     "zlab": lengths[step] if step < len(lengths) else None,
                 }
             )
+    shared = tau_on_shared_text(
+        [
+            (
+                mine.tokens,
+                mine.accepted,
+                r.output_ids[0, r.num_input_tokens :].tolist(),
+                list(r.acceptance_lengths),
+            )
+            for mine, r in zip(ours, runs, strict=True)
+        ]
+    )
     taus = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in runs if r.acceptance_lengths]
     steps = [a for r in runs for a in r.acceptance_lengths]
     seconds = sum(r.time_per_output_token * r.num_output_tokens for r in runs)
@@ -464,10 +522,19 @@ def zlab_comparison(
         "identical_tokens": int(same_tokens),
         "first_step_differences": differences,
         "acceptance_lengths": [list(r.acceptance_lengths) for r in runs],
+        "shared_text": {
+            "tokens": shared["shared_tokens"],
+            "tau_flashdraft": shared["tau_a"],
+            "tau_zlab": shared["tau_b"],
+            "steps_flashdraft": shared["steps_a"],
+            "steps_zlab": shared["steps_b"],
+        },
     }
     console.print(
         f"z-lab dflash_generate: τ {result['tau']:.3f} (ours {statistics.mean(r.tau for r in ours):.3f}); "
-        f"per-step acceptance identical on {result['identical_steps']}/{len(encoded)} prompts",
+        f"per-step acceptance identical on {result['identical_steps']}/{len(encoded)} prompts; "
+        f"on the {shared['shared_tokens']} tokens both wrote alike: τ {shared['tau_b']:.3f} z-lab, "
+        f"{shared['tau_a']:.3f} ours",
         highlight=False,
     )
     return result

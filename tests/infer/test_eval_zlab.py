@@ -11,6 +11,7 @@ import torch
 
 from flashdraft.cli import main
 from flashdraft.infer.decode import generate
+from flashdraft.infer.evaluate import steps_within, tau_on_shared_text
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
@@ -40,6 +41,8 @@ def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys):
     assert z["acceptance_lengths"] == [r.accepted for r in ours]
     assert z["identical_steps"] == z["identical_tokens"] == 3 and z["first_step_differences"] == []
     assert z["tau"] == report["tau"] and z["tau_pooled"] == report["tau_pooled"]
+    shared = z["shared_text"]  # identical texts: the shared-text τ is the pooled τ of both loops
+    assert shared["tau_flashdraft"] == shared["tau_zlab"] == pytest.approx(report["tau_pooled"], rel=0.1)
     assert "τ of z-lab's dflash_generate" in capsys.readouterr().out
 
 
@@ -57,3 +60,33 @@ def test_zlab_engine_without_the_package_is_one_line(tmp_path, capsys, monkeypat
     assert main([*argv, "--engine", "zlab"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flashdraft: error: --engine zlab") and "pip install" in err and "\n" not in err
+
+
+def brute_force_shared_tau(tokens_a, accepted_a, tokens_b, accepted_b):
+    """Token by token: a step counts while every token it committed equals the other output's token."""
+    same = [x == y for x, y in zip(tokens_a, tokens_b, strict=False)] + [False]
+    shared_len = same.index(False)
+
+    def steps(accepted):
+        out, end = [], 1  # token 0 is the prefill's
+        for a in accepted:
+            if end + a > shared_len:
+                break
+            out.append(a)
+            end += a
+        return out
+
+    return steps(accepted_a), steps(accepted_b)
+
+
+def test_tau_on_shared_text_counts_only_steps_inside_the_common_prefix():
+    # Outputs part at token 6: ours commits 1+3+2 (tokens 1-3, 4-5), then a step ending at 7 is excluded.
+    a_tokens, a_steps = [5, 1, 2, 3, 4, 6, 7, 8, 9], [3, 2, 3]
+    b_tokens, b_steps = [5, 1, 2, 3, 4, 6, 0, 0, 0], [1, 1, 1, 1, 1, 1, 2]
+    result = tau_on_shared_text([(a_tokens, a_steps, b_tokens, b_steps)])
+    want_a, want_b = brute_force_shared_tau(a_tokens, a_steps, b_tokens, b_steps)
+    assert result["shared_tokens"] == 6
+    assert (result["steps_a"], result["steps_b"]) == (len(want_a), len(want_b)) == (2, 5)
+    assert result["tau_a"] == sum(want_a) / len(want_a) == 2.5
+    assert result["tau_b"] == sum(want_b) / len(want_b) == 1.0
+    assert steps_within([3, 2, 3], 9) == [3, 2, 3] and steps_within([3], 3) == []
