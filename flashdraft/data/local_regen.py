@@ -135,22 +135,28 @@ class LocalJob:
     threads: int = 0  # CPU threads per worker (0: torch's default)
 
 
+def target_stop_ids(target: str | Path, tokenizer, thinking: str | None) -> list[int]:
+    """The ids that end an answer of this target (engines.stop_token_ids), its generation config read
+    when it ships one."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(target)
+    except (OSError, ValueError):
+        generation_config = None  # no generation_config.json: the tokenizer and template name the stops
+    stops = stop_token_ids(tokenizer, generation_config, end_of_turn_id(tokenizer, thinking))
+    if not stops:
+        raise FlashdraftError(
+            f"target {target}: no end-of-turn token (no eos in its tokenizer or generation config)"
+        )
+    return stops
+
+
 def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
     from flashdraft.model.target import load_target_tokenizer
 
     tokenizer = tokenizer or load_target_tokenizer(job.target, required=True)
-    generation_config = None
-    try:
-        from transformers import GenerationConfig
-
-        generation_config = GenerationConfig.from_pretrained(job.target)
-    except (OSError, ValueError):
-        pass  # no generation_config.json: the tokenizer and the template name the stop tokens
-    stops = stop_token_ids(tokenizer, generation_config, end_of_turn_id(tokenizer, job.thinking))
-    if not stops:
-        raise FlashdraftError(
-            f"target {job.target}: no end-of-turn token (no eos in tokenizer or generation config)"
-        )
+    stops = target_stop_ids(job.target, tokenizer, job.thinking)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     if job.engine == "vllm":
         return LocalEngine(

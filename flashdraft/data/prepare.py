@@ -71,7 +71,7 @@ def _write_failed(exc: OSError, where: Path, what: str) -> FlashdraftError:
     return FlashdraftError(f"--out {where}: {what} failed: {reason}; the previous shard set is unchanged")
 
 
-def _local_regeneration(target: str, sampling: Sampling, settings: PrepareSettings) -> dict[str, Any]:
+def local_regeneration(target: str, sampling: Sampling, settings: PrepareSettings) -> dict[str, Any]:
     """Devices, engine and job of in-process regeneration, decided (and bad flags refused) before work."""
     import os
 
@@ -108,7 +108,7 @@ def prepare(
     sampling = settings.sampling or Sampling()
     local = None  # --device, --engine and --workers are refused before any record is read
     if settings.regenerate and not settings.server_url:
-        local = _local_regeneration(target, sampling, settings)
+        local = local_regeneration(target, sampling, settings)
     tokenizer = load_target_tokenizer(target, required=True)
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
