@@ -158,6 +158,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         server_model=args.server_model,
         concurrency=args.concurrency,
         batch_size=args.batch_size,
+        device=args.device,
+        engine=args.engine,
+        workers=args.workers,
         limit=args.limit,
         chunk=args.chunk,
         skip_bad_records=args.skip_bad_records,
@@ -398,7 +401,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server-model", default=None, help="model name to send to the server")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight to the server")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="batch size of in-process generation")
+    p.add_argument(
+        "--batch-size",
+        type=non_negative_int,
+        default=0,
+        help="rows per batch of in-process generation (0: from free GPU memory; 64 on the CPU)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where in-process regeneration runs: auto (every local GPU, else the CPU), cpu, cuda, cuda:N",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["auto", "hf", "hf-cb", "vllm"],
+        default="auto",
+        help="in-process engine: hf (static-cache generate), hf-cb (continuous batching), vllm; "
+        "auto picks the fastest available (docs/regeneration.md)",
+    )
+    p.add_argument(
+        "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"
+    )
     p.add_argument(
         "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"
     )

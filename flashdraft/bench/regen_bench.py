@@ -1,97 +1,199 @@
-"""`flashdraft bench regen`: in-process regeneration throughput vs plain `model.generate`, same prompts.
+"""`flashdraft bench regen`: `prepare --regenerate` itself against plain HF batched `generate`, same prompts.
 
-A ~1B-parameter Qwen3-shaped target with random weights (built here), prompts of 64..512 random tokens,
-256 new tokens each (random weights never emit the end token, so every sample runs to the limit).
-Plain = one `model.generate` call per prompt, as a naive script does; the engine = LocalEngine
-(length-sorted batches, left padding, static KV cache on GPU).
+The prepare path is timed end to end as a user runs it (records read, engine chosen and loaded, every
+answer generated and journaled, shards written), in a fresh output directory. The baseline is what a
+plain script does: the target in bf16 (fp32 on the CPU) with SDPA attention, the same chat-template prompts
+left-padded in input order, `--baseline-batch` rows per `model.generate` call, greedy, the same stop
+tokens. Both count new tokens up to and including the stop token. Method and results:
+docs/regeneration.md.
+
+`--make-inputs DIR` writes a random-weight target shaped like a 135M instruct model (with a word-level
+tokenizer and a ChatML template: no model hub is reachable) and a prompts file, for machines without one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from flashdraft.bench.provenance import provenance
 from flashdraft.config import Sampling
-from flashdraft.data.regenerate import LocalEngine
-from flashdraft.durable import atomic_write_json
+from flashdraft.data.prepare import PrepareSettings, local_regeneration, prepare
+from flashdraft.data.regenerate import read_journal
+from flashdraft.data.shards import JOURNAL
+from flashdraft.durable import atomic_write_json, atomic_write_text
+from flashdraft.errors import FlashdraftError
 
-ONE_B = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=4096,
-    rope_theta=1e6,
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SHAPE_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
 
 
+def make_inputs(directory: Path, prompts: int, vocab_size: int = 49152, seed: int = 0) -> tuple[Path, Path]:
+    """A random 135M-shaped Llama target with a word tokenizer (`w0`..`wN` and ChatML specials), and
+    `prompts` one-turn conversations of 16..256 words; returns (target dir, prompts file)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    words = [f"w{i}" for i in range(vocab_size - len(specials) - 3)] + ["\n", " ", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + specials)}, unk_token="[UNK]"))
+    pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|\n| "
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", unk_token="[UNK]", additional_special_tokens=specials
+    )
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **SHAPE_135M))
+    target = directory / "target"
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(prompts):
+        n = int(torch.randint(16, 257, (1,), generator=g))
+        text = " ".join(f"w{int(i)}" for i in torch.randint(0, len(words) - 3, (n,), generator=g))
+        lines.append(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
+    prompts_file = atomic_write_text(directory / "prompts.jsonl", "".join(lines))
+    return target, prompts_file
+
+
+@torch.inference_mode()
+def plain_generate(target: str, prompts: list[list[int]], stops: list[int], pad: int, args) -> dict:
+    """The baseline: one `generate` call per `--baseline-batch` prompts, input order, left padding."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa").to(device)
+    model.eval()
+    new_tokens = 0
+    started = time.perf_counter()
+    for start in range(0, len(prompts), args.baseline_batch):
+        batch = prompts[start : start + args.baseline_batch]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=pad,
+        )
+        for row in out[:, width:].tolist():
+            ended = [i for i, token in enumerate(row) if token in stops]
+            new_tokens += ended[0] + 1 if ended else len(row)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return {
+        "seconds": round(seconds, 2),
+        "new_tokens": new_tokens,
+        "tokens_per_s": round(new_tokens / seconds, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdraft bench regen")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument(
-        "--plain-prompts", type=int, default=8, help="prompts timed with plain generate (rate extrapolates)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--target", help="target model directory (with its tokenizer and chat template)")
+    parser.add_argument("--prompts", help="conversations file (any `prepare` input; one-turn prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--baseline-batch", type=int, default=500)
+    parser.add_argument("--device", default="auto", help="prepare --device")
+    parser.add_argument("--engine", default="auto", help="prepare --engine")
+    parser.add_argument("--batch-size", type=int, default=0, help="prepare --batch-size")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--make-inputs", metavar="DIR", help="write a 135M-shaped random target and prompts")
+    parser.add_argument("--num-prompts", type=int, default=2000, help="with --make-inputs")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flashdraft bench regen: needs a CUDA GPU")
-        return 2
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    if args.make_inputs:
+        target, prompts_file = make_inputs(Path(args.make_inputs), args.num_prompts)
+        print(f"target {target}\nprompts {prompts_file}")
+        return 0
+    if not args.target or not args.prompts:
+        raise FlashdraftError("flashdraft bench regen: --target and --prompts are required")
 
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**ONE_B), dtype=torch.bfloat16).eval()
-    params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, 150000, (int(torch.randint(64, 513, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(args.prompts)
-    ]
-    sampling = Sampling(max_new_tokens=args.new_tokens)
-    engine = LocalEngine(model, None, sampling, None, batch_size=args.batch_size)
-    engine.generate_ids(prompts[:2])  # warm-up
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    outputs = engine.generate_ids(prompts)
-    torch.cuda.synchronize()
-    engine_s = time.perf_counter() - started
-    engine_tokens = sum(len(o) for o in outputs)
-
-    plain_tokens, started = 0, time.perf_counter()
-    with torch.inference_mode():
-        for prompt in prompts[: args.plain_prompts]:
-            ids = torch.tensor([prompt], device="cuda")
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=args.new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            plain_tokens += out.shape[1] - ids.shape[1]
-    torch.cuda.synchronize()
-    plain_s = time.perf_counter() - started
+    sampling = Sampling(max_new_tokens=args.max_new_tokens)
+    settings = PrepareSettings(
+        regenerate=True,
+        device=args.device,
+        engine=args.engine,
+        batch_size=args.batch_size,
+        sampling=sampling,
+        max_length=10**9,
+        chunk=10**9,  # one journaled chunk: the baseline does not journal either
+    )
+    with tempfile.TemporaryDirectory(prefix="flashdraft-bench-regen-") as tmp:
+        out = Path(tmp) / "shards"
+        started = time.perf_counter()
+        try:
+            manifest = prepare([args.prompts], args.target, str(out), settings, command="bench regen")
+        except FlashdraftError as exc:  # a random-weight target ends no answer: nothing kept, still timed
+            if "no sample kept" not in str(exc):
+                raise
+            manifest = None
+        prepare_s = time.perf_counter() - started
+        done = read_journal(out / JOURNAL)
+    generated = [ids for r in done.values() for ids in r.token_ids if ids is not None]
+    prepare_tokens = sum(len(ids) for ids in generated)
     result = {
         **provenance("regen", argv),
-        "target_params_B": round(params / 1e9, 2),
-        "prompts": args.prompts,
-        "new_tokens": args.new_tokens,
-        "batch_size": args.batch_size,
-        "engine_tokens_per_s": round(engine_tokens / engine_s, 1),
-        "engine_seconds": round(engine_s, 2),
-        "plain_generate_tokens_per_s": round(plain_tokens / plain_s, 1),
-        "plain_prompts_timed": args.plain_prompts,
-        "speedup": round((engine_tokens / engine_s) / (plain_tokens / plain_s), 2),
+        "target": str(args.target),
+        "prompts": len(done),
+        "max_new_tokens": args.max_new_tokens,
+        "prepare": {
+            "seconds": round(prepare_s, 2),
+            "new_tokens": prepare_tokens,
+            "tokens_per_s": round(prepare_tokens / prepare_s, 1),
+            "regeneration": manifest["regeneration"]
+            if manifest
+            else local_regeneration(args.target, sampling, settings)["record"],
+            "samples_kept": manifest["samples"] if manifest else 0,
+        },
     }
+    if not args.skip_baseline:
+        from flashdraft.data.chat import normalise
+        from flashdraft.data.local_regen import prompt_ids, target_stop_ids
+        from flashdraft.data.sources import iter_records
+        from flashdraft.model.target import load_target_tokenizer
+
+        tokenizer = load_target_tokenizer(args.target, required=True)
+        prompts = []
+        for record, where in iter_records([args.prompts]):
+            messages = normalise(record, where).messages
+            first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+            prompts.append(prompt_ids(tokenizer, messages[:first], None))
+        stops = target_stop_ids(args.target, tokenizer, None)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+        result["baseline"] = {
+            "batch": args.baseline_batch,
+            **plain_generate(args.target, prompts, stops, pad, args),
+        }
+        result["speedup"] = round(result["baseline"]["seconds"] / prepare_s, 2)
     print(json.dumps(result, indent=1))
     if args.out:
         atomic_write_json(args.out, result, indent=2)

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
-from flashdraft.data.regenerate import LocalEngine, ServerEngine, journal_key, regenerate
+from flashdraft.data.regenerate import ServerEngine, journal_key, regenerate
 from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
@@ -37,7 +37,10 @@ class PrepareSettings:
     server_url: str | None = None
     server_model: str | None = None
     concurrency: int = 16
-    batch_size: int = 64
+    batch_size: int = 0  # 0: from free GPU memory, 64 on the CPU
+    device: str = "auto"  # auto, cpu, cuda, cuda:N (docs/regeneration.md)
+    engine: str = "auto"  # auto, hf, hf-cb, vllm
+    workers: int = 1  # CPU worker processes
     limit: int = 0
     min_supervised: int = 1
     chunk: int = 256
@@ -68,6 +71,27 @@ def _write_failed(exc: OSError, where: Path, what: str) -> FlashdraftError:
     return FlashdraftError(f"--out {where}: {what} failed: {reason}; the previous shard set is unchanged")
 
 
+def local_regeneration(target: str, sampling: Sampling, settings: PrepareSettings) -> dict[str, Any]:
+    """Devices, engine and job of in-process regeneration, decided (and bad flags refused) before work."""
+    import os
+
+    import torch
+
+    from flashdraft.data.engines import choose_engine
+    from flashdraft.data.local_regen import LocalJob, describe, key_settings, resolve_devices
+
+    devices = resolve_devices(settings.device, settings.workers)
+    engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
+    threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
+    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, settings.chunk, threads)
+    return {
+        "job": job,
+        "devices": devices,
+        "record": describe(job, devices, why),
+        "key": key_settings(job, devices),
+    }
+
+
 def prepare(
     inputs: list[str],
     target: str,
@@ -81,6 +105,10 @@ def prepare(
     # Everything about the output is checked before the tokenizer loads and before any regeneration.
     protected = {"--target": target, **{f"input {p}": p for p in inputs}}
     check_output_dir(out_dir, "--out", force=settings.force, inputs=protected, ours=not_a_shard_dir)
+    sampling = settings.sampling or Sampling()
+    local = None  # --device, --engine and --workers are refused before any record is read
+    if settings.regenerate and not settings.server_url:
+        local = local_regeneration(target, sampling, settings)
     tokenizer = load_target_tokenizer(target, required=True)
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
@@ -124,18 +152,16 @@ def prepare(
 
     sampling_record = None
     if settings.regenerate:
-        sampling = settings.sampling or Sampling()
-        if settings.server_url:
+        if local is None:
             engine = ServerEngine(
                 settings.server_url, settings.server_model, sampling, settings.thinking, settings.concurrency
             )
+            engine_record = engine.describe()
+            key_engine = engine_record
         else:
-            from flashdraft.model.target import TargetModel
-
-            model = TargetModel.load(target, [0]).model
-            engine = LocalEngine(model, tokenizer, sampling, settings.thinking, settings.batch_size)
+            engine_record, key_engine = local["record"], local["key"]
         key_settings = {
-            "engine": engine.describe(),
+            "engine": key_engine,
             "thinking": settings.thinking,
             "target": target_identity(target),
         }
@@ -149,14 +175,20 @@ def prepare(
             items.append((journal_key(messages, seen[text], key_settings), messages))
             seen[text] += 1
         journal = out_dir / JOURNAL
+        progress = lambda n, total: console.print(f"regenerated {n}/{total}")  # noqa: E731
         try:
-            done = regenerate(
-                items,
-                engine.complete,
-                journal,
-                chunk=settings.chunk,
-                on_progress=lambda n, total: console.print(f"regenerated {n}/{total}"),
-            )
+            if local is None:
+                done = regenerate(
+                    items,
+                    lambda convs, _seeds: engine.complete(convs),
+                    journal,
+                    chunk=settings.chunk,
+                    on_progress=progress,
+                )
+            else:
+                from flashdraft.data.local_regen import regenerate_locally
+
+                done = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer, progress)
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
         kept = []
@@ -168,7 +200,7 @@ def prepare(
                 continue
             kept.append((done[key].messages, where))
         conversations = kept
-        sampling_record = engine.describe()
+        sampling_record = engine_record
 
     samples, supervised, total = [], 0, 0
     for messages, where in conversations:
@@ -224,6 +256,12 @@ def prepare(
         table.add_row(f"dropped: {reason}", str(count))
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
-    table.add_row("regenerated", "yes: " + sampling_record["engine"] if sampling_record else "no")
+    if sampling_record:
+        where = ", ".join(sampling_record.get("devices") or [sampling_record.get("url", "")])
+        table.add_row("regenerated", f"yes: {sampling_record['engine']} on {where}")
+        if sampling_record.get("engine_choice"):
+            table.add_row("engine choice", sampling_record["engine_choice"])
+    else:
+        table.add_row("regenerated", "no")
     console.print(table)
     return manifest

@@ -1,9 +1,9 @@
 """Regeneration: every assistant turn replaced by the target's own continuation of the conversation so far
 (DFlash drafters are trained on target-generated responses, docs/dflash.md §3).
 
-Two engines: `LocalEngine` generates in-process with the target (length-sorted batches; static KV cache
-and compiled decoding on a GPU), `ServerEngine` asks any OpenAI-compatible server the user already runs
-(SGLang, vLLM) with concurrent requests. Progress is a JSONL journal: each finished conversation is
+Two ways to answer: `ServerEngine` asks any OpenAI-compatible server the user already runs (SGLang,
+vLLM) with concurrent requests; the local engines (flashdraft/data/local_regen.py, one process per GPU,
+each journaling to its own part of the journal) generate with the target itself (docs/regeneration.md). Progress is a JSONL journal: each finished conversation is
 appended and flushed as one line, so a crash or Ctrl-C keeps every finished sample, and a restart skips
 them (a torn last line is ignored). Each answer is keyed by a hash of its conversation, the sampling
 settings and the target (`journal_key`), never by position: a rerun with other input, settings or
@@ -17,16 +17,13 @@ import json
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flashdraft.config import Sampling
-from flashdraft.data.render import apply_chat_template
 from flashdraft.errors import FlashdraftError
 
 Messages = list[dict[str, str]]
@@ -92,85 +89,6 @@ class ServerEngine:
         return {"engine": "server", "url": self.url, "model": self.model, **asdict(self.sampling)}
 
 
-class LocalEngine:
-    """Batched generation with the target in this process, longest prompts first; static cache on GPU."""
-
-    def __init__(self, model, tokenizer, sampling: Sampling, thinking: str | None, batch_size: int = 64):
-        self.model, self.tokenizer, self.sampling, self.thinking = model.eval(), tokenizer, sampling, thinking
-        self.batch_size = batch_size
-        self.on_gpu = next(model.parameters()).device.type == "cuda"
-
-    def _prompt(self, messages: Messages) -> list[int]:
-        ids = apply_chat_template(
-            self.tokenizer,
-            messages,
-            self.thinking,
-            "regeneration prompt",
-            add_generation_prompt=True,
-            tokenize=True,
-        )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def complete(self, conversations: list[Messages]) -> list[Answer]:
-        outputs = self.generate_ids([self._prompt(m) for m in conversations])
-        eos = self.tokenizer.eos_token_id
-        return [
-            (
-                self.tokenizer.decode(ids, skip_special_tokens=True),
-                "stop" if ids and ids[-1] == eos else "length",
-            )
-            for ids in outputs
-        ]
-
-    @torch.inference_mode()
-    def generate_ids(self, prompts: list[list[int]]) -> list[list[int]]:
-        """New token ids per prompt: length-sorted batches, left padding, stop at the end-of-turn token."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list[list[int]] = [[] for _ in prompts]
-        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        pad = (
-            0
-            if self.tokenizer is None
-            else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos)
-        )
-        s = self.sampling
-        gen_kwargs = {
-            "max_new_tokens": s.max_new_tokens,
-            "do_sample": s.temperature > 0,
-            "pad_token_id": pad,
-            "eos_token_id": eos,
-        }
-        if s.temperature > 0:
-            gen_kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
-        if self.on_gpu:
-            gen_kwargs["cache_implementation"] = "static"
-        device = next(self.model.parameters()).device
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start : start + self.batch_size]
-            width = max(len(prompts[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad or 0, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
-                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]) :] = 1
-            torch.manual_seed(s.seed + start)
-            generated = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs
-            )
-            for row, i in enumerate(batch):
-                new = generated[row, width:].tolist()
-                out[i] = new[: new.index(eos) + 1] if eos is not None and eos in new else new
-        return out
-
-    def describe(self) -> dict:
-        return {
-            "engine": "local",
-            "batch_size": self.batch_size,
-            "static_cache": self.on_gpu,
-            **asdict(self.sampling),
-        }
-
-
 def journal_key(messages: Messages, occurrence: int, settings: dict[str, Any]) -> str:
     """What an answer depends on: the conversation, which repeat of it this is (identical conversations
     are sampled separately), and `settings` (engine, sampling, thinking switch, target identity)."""
@@ -178,18 +96,30 @@ def journal_key(messages: Messages, occurrence: int, settings: dict[str, Any]) -
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def answer_seed(key: str, turn: int) -> int:
+    """The sampling seed of one answer: from its conversation's journal key (which already holds the
+    sampling settings and --seed) and its turn, so it never depends on batch or worker."""
+    return int(hashlib.sha256(f"{key}:{turn}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
 @dataclass
 class Regenerated:
     messages: Messages
     finish_reasons: list[str | None]  # one per regenerated assistant turn, in order
+    # per regenerated assistant turn: the ids the local engine generated (None: a server answered)
+    token_ids: list[list[int] | None] = field(default_factory=list)
 
 
-def read_journal(path: Path) -> dict[str, Regenerated]:
-    """Finished conversations by `journal_key`; a torn last line (a crash mid-write) and lines of an older
-    journal format (keyed by position, which cannot be trusted) are dropped."""
-    done: dict[str, Regenerated] = {}
-    if not path.exists():
-        return done
+def journal_parts(path: Path) -> list[Path]:
+    """The per-worker parts of a journal (`NAME.part-RANK`), written beside it by parallel regeneration."""
+    return sorted(path.parent.glob(f"{path.name}.part-*")) if path.parent.is_dir() else []
+
+
+def journal_part(path: Path, rank: int) -> Path:
+    return path.with_name(f"{path.name}.part-{rank}")
+
+
+def _records(path: Path) -> Iterator[dict]:
     with path.open("rb") as handle:
         for raw in handle:
             try:
@@ -197,29 +127,68 @@ def read_journal(path: Path) -> dict[str, Regenerated]:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             if isinstance(record, dict) and isinstance(record.get("key"), str) and "messages" in record:
-                done[record["key"]] = Regenerated(record["messages"], record.get("finish_reasons") or [])
+                yield record
+
+
+def read_journal(path: Path) -> dict[str, Regenerated]:
+    """Finished conversations by `journal_key`, from the journal and its worker parts; a torn last line (a
+    crash mid-write) and lines of an older journal format (keyed by position, which cannot be trusted) are
+    dropped."""
+    done: dict[str, Regenerated] = {}
+    for part in [path] * path.is_file() + journal_parts(path):
+        for record in _records(part):
+            done[record["key"]] = Regenerated(
+                record["messages"], record.get("finish_reasons") or [], record.get("token_ids") or []
+            )
     return done
+
+
+def merge_journal_parts(path: Path) -> None:
+    """Append the parts' whole records that the journal lacks to it, make that durable, then remove the
+    parts: afterwards the journal alone holds every finished answer."""
+    parts = journal_parts(path)
+    if not parts:
+        return
+    known = {record["key"] for record in _records(path)} if path.is_file() else set()
+    with path.open("a") as handle:
+        for part in parts:
+            for record in _records(part):
+                if record["key"] not in known:
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    known.add(record["key"])
+        handle.flush()
+        os.fsync(handle.fileno())
+    for part in parts:
+        part.unlink()
+
+
+# complete(conversations, seeds) -> one (text, finish reason[, generated ids]) per conversation
+Complete = Callable[[list[Messages], list[int]], list[tuple]]
 
 
 def regenerate(
     items: list[tuple[str, Messages]],
-    complete: Callable[[list[Messages]], list[Answer]],
+    complete: Complete,
     journal: Path,
     chunk: int = 256,
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Messages]:
+    write_to: Path | None = None,
+) -> dict[str, Regenerated]:
     """Regenerate every assistant turn of every (key, conversation), turn by turn (turn k sees the
     regenerated turns before it), `chunk` conversations at a time; finished ones are journaled as they
-    complete. Returns the regenerated conversation of every key in `items`, with why each answer ended."""
+    complete (to `write_to`, default the journal itself: a worker writes its own part). Returns the
+    regenerated conversation of every key in `items`, with why each answer ended."""
     done = read_journal(journal)
     wanted = {key for key, _ in items}
     todo = [(key, m) for key, m in items if key not in done]
-    journal.parent.mkdir(parents=True, exist_ok=True)
-    with journal.open("a") as handle:
+    target = write_to or journal
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as handle:
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
             convs: dict[str, Messages] = {key: [] for key, _ in group}
             reasons: dict[str, list[str | None]] = {key: [] for key, _ in group}
+            ids: dict[str, list[list[int] | None]] = {key: [] for key, _ in group}
             remaining = {key: list(m) for key, m in group}
             while remaining:
                 asking = []
@@ -232,15 +201,19 @@ def regenerate(
                         del remaining[key]
                 if not asking:
                     break
-                answers = complete([convs[key] for key in asking])
-                for key, (answer, reason) in zip(asking, answers, strict=True):
+                seeds = [answer_seed(key, len(reasons[key])) for key in asking]
+                answers = complete([convs[key] for key in asking], seeds)
+                for key, (answer, reason, *generated) in zip(asking, answers, strict=True):
                     remaining[key].pop(0)  # the original assistant turn is replaced
                     convs[key].append({"role": "assistant", "content": answer})
                     reasons[key].append(reason)
+                    ids[key].append(generated[0] if generated else None)
             for key, _ in group:
                 record = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
+                if any(turn is not None for turn in ids[key]):
+                    record["token_ids"] = ids[key]
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-                done[key] = Regenerated(convs[key], reasons[key])
+                done[key] = Regenerated(convs[key], reasons[key], ids[key])
             handle.flush()
             os.fsync(handle.fileno())
             if on_progress:

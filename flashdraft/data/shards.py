@@ -241,7 +241,12 @@ def not_a_shard_dir(directory: Path) -> str | None:
         ours |= {MANIFEST, *manifest_files(manifest)}
     elif not (directory / JOURNAL).is_file():
         return "it has no flashdraft manifest.json"
-    extra = sorted(p.name for p in directory.iterdir() if p.name not in ours)
+    # a parallel regeneration killed before it folded its workers' journal parts into the journal
+    extra = sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.name not in ours and not p.name.startswith(JOURNAL + ".part-")
+    )
     if extra:
         shown = ", ".join(extra[:4]) + (" …" if len(extra) > 4 else "")
         return f"holds files flashdraft prepare did not write ({shown})"

@@ -1,0 +1,313 @@
+"""Local generation engines of `prepare --regenerate`: token ids in, new token ids out (docs/regeneration.md).
+
+Three engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
+after its first stop token:
+- `hf`: `model.generate` on length-sorted, left-padded batches; on a GPU a static KV cache (which
+  transformers compiles into CUDA graphs) and a batch size chosen from free memory;
+- `hf-cb`: transformers' continuous batching (`generate_batch`): finished rows are refilled at once;
+- `vllm`: vLLM's offline `LLM` engine, when the optional `vllm` package is installed.
+Greedy output equals plain `model.generate` token for token. Sampling draws each token from a counter-based
+hash of (conversation seed, step, token id), so an answer never depends on which other answers share its
+batch, how many workers run, or on which device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from flashdraft.config import Sampling
+from flashdraft.errors import FlashdraftError
+
+ENGINES = ("auto", "hf", "hf-cb", "vllm")
+_MASK32 = 0xFFFFFFFF
+_PAD_MULTIPLE = 64  # prompt widths are rounded up to this, so compiled static-cache shapes repeat
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def continuous_batching_available(model) -> bool:
+    """transformers >= 5 ships `generate_batch`; older versions (or models without it) do not. `model`
+    None asks about the installed transformers (before any model is loaded)."""
+    if model is None:
+        from transformers import GenerationMixin
+
+        model = GenerationMixin
+    return callable(getattr(model, "generate_batch", None))
+
+
+def choose_engine(requested: str, device: torch.device, sampling: Sampling, model=None) -> tuple[str, str]:
+    """(engine, why) for `--engine requested` on `device`; asking for one that cannot run is an error."""
+    greedy = sampling.temperature == 0
+    if requested == "vllm":
+        if not vllm_available():
+            raise FlashdraftError("--engine vllm: the vllm package is not installed (pip install vllm)")
+        if device.type != "cuda":
+            raise FlashdraftError(
+                "--engine vllm: needs a CUDA device (--device cuda or auto on a GPU machine)"
+            )
+        return "vllm", "asked for"
+    if requested == "hf-cb":
+        if not continuous_batching_available(model):
+            raise FlashdraftError(
+                "--engine hf-cb: this transformers version has no continuous batching (model.generate_batch)"
+            )
+        if not greedy:
+            raise FlashdraftError(
+                "--engine hf-cb: continuous batching samples from one shared random stream, so answers would "
+                "depend on batch composition; use it with --temperature 0, or --engine hf to sample"
+            )
+        return "hf-cb", "asked for"
+    if requested == "hf":
+        return "hf", "asked for"
+    if device.type == "cuda" and vllm_available():
+        return "vllm", "auto: vllm is installed and the device is a GPU"
+    if device.type == "cuda" and greedy and continuous_batching_available(model):
+        return "hf-cb", "auto: GPU, greedy decoding, transformers continuous batching present"
+    if device.type == "cuda":
+        why = "sampling (continuous batching cannot seed per answer)" if not greedy else "no generate_batch"
+        return "hf", f"auto: GPU, {why}: static-cache generate"
+    return "hf", "auto: CPU: batched generate"
+
+
+def stop_token_ids(tokenizer, generation_config: Any, end_of_turn: int | None) -> list[int]:
+    """Every id that ends an answer: the tokenizer's eos, the generation config's eos_token_id (an int or a
+    list) and the chat template's end-of-turn token."""
+    ids: list[int] = []
+    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None), end_of_turn]
+    config_eos = getattr(generation_config, "eos_token_id", None)
+    candidates += list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
+    for token in candidates:
+        if isinstance(token, int) and token not in ids:
+            ids.append(token)
+    return ids
+
+
+def cut_at_stop(ids: Iterable[int], stops: Iterable[int]) -> list[int]:
+    """The answer up to and including its first stop token (all of it when none)."""
+    stops, out = set(stops), []
+    for token in ids:
+        out.append(int(token))
+        if token in stops:
+            break
+    return out
+
+
+def counter_uniform(seeds: torch.Tensor, step: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] uniforms in (0, 1) that depend only on (row seed, step, token id): a 32-bit integer
+    hash (every product stays below 2**63, so it is exact in int64 on any device)."""
+    token = torch.arange(vocab, device=device, dtype=torch.int64)
+    x = (seeds.to(device)[:, None] * 0x9E37 + step * 0x3C6EF + token[None, :] * 0x1B873593) & _MASK32
+    for _ in range(3):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = (x >> 16) ^ x
+    return ((x >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling inside greedy `generate`: per row, the token the Gumbel-max trick picks from the filtered
+    distribution with that row's own counter-based noise; every other logit becomes -inf, so greedy
+    selection returns it. The draw never uses a shared random stream."""
+
+    def __init__(self, seeds: list[int], sampling: Sampling, prompt_width: int):
+        self.seeds = torch.tensor(seeds, dtype=torch.int64)
+        self.sampling, self.prompt_width = sampling, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return seeded_choice(scores, self.seeds, input_ids.shape[1] - self.prompt_width, self.sampling)
+
+
+def seeded_choice(scores: torch.Tensor, seeds: torch.Tensor, step: int, s: Sampling) -> torch.Tensor:
+    logits = scores.float() / s.temperature
+    if s.top_k:
+        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if s.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) >= s.top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    uniform = counter_uniform(seeds, step, logits.shape[-1], logits.device)
+    gumbel = -torch.log(-torch.log(uniform)).to(logits.dtype)
+    choice = (logits.log_softmax(-1) + gumbel).argmax(-1, keepdim=True)
+    out = torch.full_like(scores, -math.inf)
+    return out.scatter(-1, choice, 0.0)
+
+
+def kv_bytes_per_token(config) -> int:
+    """Key and value bytes one token occupies in the KV cache across all layers, from the model config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype = getattr(text, "dtype", None) or torch.bfloat16
+    itemsize = dtype.itemsize if isinstance(dtype, torch.dtype) else 2
+    return 2 * text.num_hidden_layers * heads * head_dim * itemsize
+
+
+def batch_size_for_memory(model, longest: int, device: torch.device, cap: int = 1024) -> int:
+    """Rows whose KV cache (and ~30% headroom for activations and logits) fit in the free GPU memory."""
+    free, _ = torch.cuda.mem_get_info(device)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    per_row = kv_bytes_per_token(model.config) * longest + 8 * text.vocab_size  # KV + fp32 logits row
+    return max(1, min(cap, int(free * 0.7) // max(per_row, 1)))
+
+
+class HFGenerateEngine:
+    """`model.generate` on length-sorted, left-padded batches; static KV cache and CUDA graphs on a GPU."""
+
+    name = "hf"
+
+    def __init__(self, model, sampling: Sampling, stops: list[int], pad_id: int, batch_size: int = 0):
+        self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
+        self.device = next(model.parameters()).device
+        self.on_gpu = self.device.type == "cuda"
+        self.batch_size = batch_size  # 0: from free memory on a GPU, 64 on the CPU
+
+    def _config(self, width: int, seeds: list[int]) -> tuple[GenerationConfig, LogitsProcessorList]:
+        config = GenerationConfig(
+            max_new_tokens=self.sampling.max_new_tokens,
+            do_sample=False,  # sampling, when asked for, is SeededSampler's (batch-independent)
+            eos_token_id=self.stops,
+            pad_token_id=self.pad_id,
+        )
+        if self.on_gpu:
+            config.cache_implementation = "static"
+        processors = LogitsProcessorList()
+        if self.sampling.temperature > 0:
+            processors.append(SeededSampler(seeds, self.sampling, width))
+        return config, processors
+
+    def _rows(self, longest: int) -> int:
+        if self.batch_size:
+            return self.batch_size
+        if self.on_gpu:
+            return batch_size_for_memory(self.model, longest + self.sampling.max_new_tokens, self.device)
+        return 64
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        start = 0
+        while start < len(order):
+            width = len(prompts[order[start]])
+            if self.on_gpu:  # fewer distinct shapes: fewer compilations of the static-cache decoder
+                width = -(-width // _PAD_MULTIPLE) * _PAD_MULTIPLE
+            batch = order[start : start + self._rows(width)]
+            start += len(batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            config, processors = self._config(width, [seeds[i] for i in batch])
+            generated = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=config,
+                logits_processor=processors,
+            )
+            for row, i in enumerate(generated[:, width:].tolist()):
+                out[batch[row]] = cut_at_stop(i, self.stops)
+        return out
+
+    def describe(self) -> dict:
+        return {"engine": self.name, "batch_size": self.batch_size or "auto", "static_cache": self.on_gpu}
+
+
+class ContinuousBatchingEngine:
+    """transformers' continuous batching: a scheduler refills a row as soon as its answer ends (greedy)."""
+
+    name = "hf-cb"
+
+    def __init__(self, model, sampling: Sampling, stops: list[int], pad_id: int):
+        self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
+        self.on_gpu = next(model.parameters()).device.type == "cuda"
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        config = GenerationConfig(
+            max_new_tokens=self.sampling.max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.stops,
+            pad_token_id=self.pad_id,
+        )
+        kwargs: dict[str, Any] = {"generation_config": config, "warmup": self.on_gpu}
+        cb_config = self._cache_config(prompts)
+        if cb_config is not None:
+            kwargs["continuous_batching_config"] = cb_config
+        accepted = inspect.signature(self.model.generate_batch).parameters
+        results = self.model.generate_batch(prompts, **{k: v for k, v in kwargs.items() if k in accepted})
+        # Requests are named req_<index> in submission order; match by prompt to be independent of it.
+        by_index: dict[int, list[int]] = {}
+        for name, result in results.items():
+            error = getattr(result, "error", None)
+            if error:
+                raise FlashdraftError(f"--engine hf-cb: request {name} failed: {error}")
+            by_index[int(str(name).rsplit("_", 1)[-1])] = list(result.generated_tokens)
+        if sorted(by_index) != list(range(len(prompts))):
+            raise FlashdraftError(f"--engine hf-cb: {len(by_index)} results for {len(prompts)} prompts")
+        return [cut_at_stop(by_index[i], self.stops) for i in range(len(prompts))]
+
+    def _cache_config(self, prompts: list[list[int]]):
+        """On a GPU transformers sizes the paged KV cache from free memory; on the CPU it would reserve a
+        share of host memory (tens of seconds to set up), so the cache is sized for these prompts."""
+        if self.on_gpu:
+            return None
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:
+            return None
+        page = 16
+        tokens = sum(len(p) + self.sampling.max_new_tokens for p in prompts)
+        wanted = {"page_size": page, "num_blocks": -(-tokens // page) + len(prompts), "max_batch_tokens": 256}
+        accepted = inspect.signature(ContinuousBatchingConfig).parameters
+        return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in accepted})
+
+    def describe(self) -> dict:
+        return {"engine": self.name}
+
+
+class VllmEngine:
+    """vLLM's offline engine on one GPU, prompts as token ids, each request seeded with its own seed."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, sampling: Sampling, stops: list[int], device: torch.device):
+        from vllm import LLM  # optional extra; choose_engine checked it is importable
+
+        self.sampling, self.stops = sampling, stops
+        if device.index:  # vLLM uses the current CUDA device; the worker process owns exactly one
+            torch.cuda.set_device(device)
+        self.llm = LLM(model=str(target), dtype="bfloat16", seed=sampling.seed)
+
+    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        s = self.sampling
+        params = [
+            SamplingParams(
+                max_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k or -1,
+                seed=seed,
+                stop_token_ids=self.stops,
+                skip_special_tokens=False,
+            )
+            for seed in seeds
+        ]
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [cut_at_stop(o.outputs[0].token_ids, self.stops) for o in outputs]
+
+    def describe(self) -> dict:
+        return {"engine": self.name}
