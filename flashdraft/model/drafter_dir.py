@@ -309,7 +309,8 @@ def resolve_mask_token_id(
     label: str = "model.mask_token_id",
 ) -> int:
     """Explicit id, else the tokenizer's mask token or `<|MASK|>`, else the first embedding row past the
-    tokenizer's entries (Qwen3's 151669 convention, docs/dflash.md §1). Otherwise a clear error saying how to choose.
+    tokenizer's entries (Qwen3's 151669 convention, docs/dflash.md §1), else (a full vocabulary) an unused
+    special token (flashdraft/model/mask_token.py). Otherwise a clear error saying how to choose.
     `label` is the setting the user gave the id with (`--mask-token-id` or `model.mask_token_id`)."""
     vocab = int(target.vocab_size)
     if explicit is not None:
@@ -327,9 +328,15 @@ def resolve_mask_token_id(
             return special
         if len(tokenizer) < vocab:
             return len(tokenizer)
+        from flashdraft.model.mask_token import pick_unused_special_token
+
+        picked = pick_unused_special_token(tokenizer, vocab, target_path)  # docs/real-target.md
+        if picked is not None:
+            return picked[0]
         raise FlashdraftError(
-            f"target {target_path}: its tokenizer fills all {vocab} embedding rows, so there is no free row for the "
-            f"mask token; set {label} to an id the model never generates (e.g. an unused special token)"
+            f"target {target_path}: its tokenizer fills all {vocab} embedding rows and has no unused special "
+            "token (every special token is eos/bos/pad/unk or written by the chat template), so there is no "
+            f"safe mask token; set {label} to an id the model never reads or writes"
         )
     raise FlashdraftError(
         f"target {target_path}: no tokenizer found to choose a mask token; set {label} "

@@ -1,4 +1,5 @@
-"""The frozen target model: any Hugging Face causal LM from a local directory, with layer capture.
+"""The frozen target model: any Hugging Face causal LM from a local directory (or a GGUF file, converted
+once: docs/real-target.md), with layer capture.
 
 Features are the outputs of decoder layers `target_layer_ids`, i.e. HF `hidden_states[id + 1]`
 (docs/dflash.md §1; §4 trap 4). They are captured with forward hooks, so only the
@@ -20,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Pretrai
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.gguf import target_directory
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -37,7 +39,7 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def load_target_config(path: str | Path) -> PretrainedConfig:
-    path = Path(path)
+    path = target_directory(path)
     if not (path / "config.json").is_file():
         raise FlashdraftError(
             f"target {path}: no config.json there (expected a local Hugging Face model directory)"
@@ -50,7 +52,7 @@ def load_target_config(path: str | Path) -> PretrainedConfig:
 
 def load_target_tokenizer(path: str | Path, *, required: bool = False):
     """The target's own tokenizer (and chat template), or None when the directory ships none."""
-    path = Path(path)
+    path = target_directory(path)
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         if required:
             raise FlashdraftError(
@@ -104,7 +106,7 @@ class TargetModel:
     def load(
         cls, path: str | Path, layer_ids, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> TargetModel:
-        path = Path(path)
+        path = target_directory(path)  # a GGUF target: its converted copy (docs/real-target.md)
         load_target_config(path)  # clear error for a missing or broken directory
         if dtype is None:
             dtype = default_dtype(device)

@@ -75,6 +75,7 @@ def _gpus(config: Config) -> Check:
 
 
 def _target(config: Config) -> Check:
+    from flashdraft.model.gguf import target_directory
     from flashdraft.model.target import load_target_config
 
     if not config.model.target:
@@ -83,9 +84,8 @@ def _target(config: Config) -> Check:
         target = load_target_config(config.model.target)
     except FlashdraftError as exc:
         return Check("target", False, str(exc), "point model.target at a local Hugging Face model directory")
-    weights = list(Path(config.model.target).glob("*.safetensors")) + list(
-        Path(config.model.target).glob("*.bin")
-    )
+    directory = target_directory(config.model.target)  # a GGUF target: its converted copy
+    weights = list(directory.glob("*.safetensors")) + list(directory.glob("*.bin"))
     if not weights:
         return Check(
             "target",

