@@ -157,6 +157,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         server_url=args.server_url,
         server_model=args.server_model,
         concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        max_failed_requests=args.max_failed_requests,
         batch_size=args.batch_size,
         limit=args.limit,
         chunk=args.chunk,
@@ -398,6 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server-model", default=None, help="model name to send to the server")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight to the server")
+    p.add_argument(
+        "--max-retries",
+        type=non_negative_int,
+        default=5,
+        help="retries of a server request answered 429 or 5xx or whose connection broke (backoff with jitter)",
+    )
+    p.add_argument(
+        "--max-failed-requests",
+        type=non_negative_int,
+        default=None,
+        help="server requests that may still fail after their retries (their conversations are left out; "
+        "default: 1%% of the requests)",
+    )
     p.add_argument("--batch-size", type=positive_int, default=64, help="batch size of in-process generation")
     p.add_argument(
         "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"

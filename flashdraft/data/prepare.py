@@ -10,7 +10,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,13 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
-from flashdraft.data.regenerate import LocalEngine, ServerEngine, journal_key, regenerate
-from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
+from flashdraft.data.regenerate import REQUEST_FAILED, LocalEngine, ServerEngine, journal_key, regenerate
+from flashdraft.data.render import (
+    check_renders,
+    reasoning_placement,
+    render_conversation,
+    tokenizer_fingerprint,
+)
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.durable import disk_full_reason
@@ -37,6 +42,9 @@ class PrepareSettings:
     server_url: str | None = None
     server_model: str | None = None
     concurrency: int = 16
+    max_retries: int = 5  # per server request, on 429, 5xx and broken connections
+    max_failed_requests: int | None = None  # None: 1% of the server requests
+    retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
     batch_size: int = 64
     limit: int = 0
     min_supervised: int = 1
@@ -122,12 +130,24 @@ def prepare(
             continue
         conversations.append((conv.messages, where))
 
-    sampling_record = None
+    sampling_record = server_requests = None
     if settings.regenerate:
         sampling = settings.sampling or Sampling()
         if settings.server_url:
+            turns = sum(m["role"] == "assistant" for messages, _ in conversations for m in messages)
+            turns += sum(not any(m["role"] == "assistant" for m in messages) for messages, _ in conversations)
             engine = ServerEngine(
-                settings.server_url, settings.server_model, sampling, settings.thinking, settings.concurrency
+                settings.server_url,
+                settings.server_model,
+                sampling,
+                settings.thinking,
+                settings.concurrency,
+                reasoning=reasoning_placement(tokenizer, settings.thinking),
+                max_retries=settings.max_retries,
+                max_failed=(
+                    turns // 100 if settings.max_failed_requests is None else settings.max_failed_requests
+                ),
+                backoff=settings.retry_backoff,
             )
         else:
             from flashdraft.model.target import TargetModel
@@ -159,8 +179,13 @@ def prepare(
             )
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
+        if isinstance(engine, ServerEngine):
+            engine.check_some_succeeded()
         kept = []
         for (key, _), (_, where) in zip(items, conversations, strict=True):
+            if REQUEST_FAILED in done[key].finish_reasons:  # not journaled: a rerun asks again
+                dropped["server request failed"] += 1
+                continue
             # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
             # learn to end turns where the target does not. Such conversations are dropped and counted.
             if "length" in done[key].finish_reasons:
@@ -169,6 +194,8 @@ def prepare(
             kept.append((done[key].messages, where))
         conversations = kept
         sampling_record = engine.describe()
+        if isinstance(engine, ServerEngine):
+            server_requests = asdict(engine.counts)
 
     samples, supervised, total = [], 0, 0
     for messages, where in conversations:
@@ -207,6 +234,7 @@ def prepare(
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
+        "server_requests": server_requests,
         "command": command or " ".join(sys.argv),
         "bad_records": bad_records[:100],
     }
@@ -225,5 +253,8 @@ def prepare(
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     table.add_row("regenerated", "yes: " + sampling_record["engine"] if sampling_record else "no")
+    if server_requests:
+        for what in ("requests", "retried", "failed"):
+            table.add_row(f"server requests {what}", str(server_requests[what]))
     console.print(table)
     return manifest
