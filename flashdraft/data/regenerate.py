@@ -171,7 +171,7 @@ class ServerEngine:
             if self.counts.failed > self.max_failed:
                 self._stop.set()
                 raise FlashdraftError(
-                    f"--server-url {self.url}: {self.counts.failed} requests failed (more than "
+                    f"--server-url {self.url}: {_requests(self.counts.failed)} failed (more than "
                     f"--max-failed-requests {self.max_failed}); last: {failure}"
                 )
         return FAILED_ANSWER
@@ -209,6 +209,10 @@ class RequestCounts:
     retries: int = 0  # extra attempts in all
     failed: int = 0  # requests that still failed (their conversations are left out)
     last_failure: str | None = None
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
 
 
 def _snippet(body: bytes) -> str:
