@@ -62,6 +62,7 @@ def test_a_request_still_failing_after_max_retries_is_counted_not_fatal():
     assert first[1] == REQUEST_FAILED and second == ({"role": "assistant", "content": "ok"}, "stop")
     assert (
         len(fake.seen) == 4
+        and client.counts.retries == 2
         and client.counts.failed == 1
         and client.counts.last_failure == "HTTP 503: overloaded"
     )
