@@ -170,3 +170,15 @@ def fake_chat_server(
         yield server
     finally:
         httpd.shutdown()
+
+
+def supervised_spans(tokenizer, ids, mask) -> list[str]:
+    """The text of each run of supervised tokens (what the model is taught to generate)."""
+    spans, run = [], []
+    for token, supervised in [*zip(list(ids), list(mask), strict=True), (None, 0)]:
+        if supervised:
+            run.append(int(token))
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans
