@@ -134,8 +134,10 @@ def prepare(
     if settings.regenerate:
         sampling = settings.sampling or Sampling()
         if settings.server_url:
-            turns = sum(m["role"] == "assistant" for messages, _ in conversations for m in messages)
-            turns += sum(not any(m["role"] == "assistant" for m in messages) for messages, _ in conversations)
+            # one request per assistant turn; a conversation with only a prompt gets one answer too
+            requests = sum(
+                max(1, [m["role"] for m in messages].count("assistant")) for messages, _ in conversations
+            )
             engine = ServerEngine(
                 settings.server_url,
                 settings.server_model,
@@ -145,7 +147,7 @@ def prepare(
                 reasoning=reasoning_placement(tokenizer, settings.thinking),
                 max_retries=settings.max_retries,
                 max_failed=(
-                    turns // 100 if settings.max_failed_requests is None else settings.max_failed_requests
+                    requests // 100 if settings.max_failed_requests is None else settings.max_failed_requests
                 ),
                 backoff=settings.retry_backoff,
             )

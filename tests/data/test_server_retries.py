@@ -13,7 +13,7 @@ from rich.console import Console
 from flashdraft.cli import main
 from flashdraft.config import Sampling
 from flashdraft.data.prepare import PrepareSettings, prepare
-from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, read_journal
+from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, read_journal, regenerate
 from flashdraft.errors import FlashdraftError
 
 from .helpers import RESET, fake_chat_server
@@ -95,6 +95,15 @@ def test_failures_beyond_max_failed_requests_stop_the_run_naming_count_status_an
     with fake_chat_server(lambda body: "ok", [OVERLOADED] * 100) as fake, refused:
         engine(fake.url, max_retries=1, max_failed=1).complete([HI] * 4)
     assert len(fake.seen) == 4  # two requests, each tried twice; the rest never sent
+
+
+def test_a_conversation_whose_request_failed_is_not_asked_its_later_turns_nor_journaled(tmp_path):
+    two_turns = [*HI, {"role": "assistant", "content": "old"}, *HI, {"role": "assistant", "content": "old"}]
+    journal = tmp_path / "regenerated.jsonl"
+    with fake_chat_server(lambda body: "ok", [(400, "no", {})]) as fake:
+        (result,) = regenerate([("k", two_turns)], engine(fake.url, max_failed=1).complete, journal).values()
+    assert len(fake.seen) == 1 and result.finish_reasons == [REQUEST_FAILED]
+    assert read_journal(journal) == {}
 
 
 def _prepare(tmp_path: Path, target: Path, url: str, **settings) -> tuple[dict, str]:
