@@ -256,7 +256,8 @@ def prepare(
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     table.add_row("regenerated", "yes: " + sampling_record["engine"] if sampling_record else "no")
     if server_requests:
-        for what in ("requests", "retried", "failed"):
-            table.add_row(f"server requests {what}", str(server_requests[what]))
+        table.add_row("server requests", str(server_requests["requests"]))
+        table.add_row("server requests retried", str(server_requests["retried"]))
+        table.add_row("server requests failed", str(server_requests["failed"]))
     console.print(table)
     return manifest

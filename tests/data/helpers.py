@@ -163,7 +163,10 @@ def fake_chat_server(
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # the default backlog (5) resets connections under concurrent requests
+
+    httpd = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
