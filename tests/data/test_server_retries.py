@@ -3,8 +3,11 @@ Retry-After, fails at once on what it cannot, and counts what still failed (docs
 
 from __future__ import annotations
 
+import email.utils
 import io
 import json
+import random
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from rich.console import Console
 from flashdraft.cli import main
 from flashdraft.config import Sampling
 from flashdraft.data.prepare import PrepareSettings, prepare
-from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, read_journal, regenerate
+from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, _retry_after, read_journal, regenerate
 from flashdraft.errors import FlashdraftError
 
 from .helpers import RESET, fake_chat_server
@@ -47,12 +50,24 @@ def test_retry_after_is_honoured():
     assert fake.arrivals[1] - fake.arrivals[0] >= 0.95  # the backoff alone would wait about a millisecond
 
 
-def test_backoff_doubles_with_jitter():
+def test_backoff_doubles_scaled_by_a_random_factor(monkeypatch):
+    factors = []  # the jitter factor drawn for each wait, here always its lowest value
+    monkeypatch.setattr(random, "uniform", lambda low, high: factors.append((low, high)) or low)
     with fake_chat_server(lambda body: "ok", [OVERLOADED] * 3) as fake:
-        engine(fake.url, backoff=0.05).complete([HI])
+        engine(fake.url, backoff=0.2).complete([HI])
     gaps = [b - a for a, b in zip(fake.arrivals, fake.arrivals[1:], strict=False)]
-    # attempt k waits backoff * 2**k scaled by a random factor in [0.5, 1]
-    assert 0.025 <= gaps[0] < 0.09 and 0.05 <= gaps[1] < 0.15 and 0.1 <= gaps[2] < 0.3
+    assert factors == [(0.5, 1.0)] * 3
+    # 0.2 * 2**k * 0.5, with room for a busy machine but not for the waits without the factor
+    assert 0.1 <= gaps[0] < 0.19 and 0.2 <= gaps[1] < 0.38 and 0.4 <= gaps[2] < 0.76
+
+
+def test_retry_after_reads_seconds_and_dates_and_is_capped():
+    in_two_seconds = email.utils.format_datetime(
+        datetime.now(timezone.utc) + timedelta(seconds=2), usegmt=True
+    )
+    assert 0.5 < _retry_after(in_two_seconds) <= 2.0
+    assert _retry_after("3") == 3.0 and _retry_after("-4") == 0.0 and _retry_after("86400") == 600.0
+    assert _retry_after("soon") is None and _retry_after(None) is None
 
 
 def test_a_request_still_failing_after_max_retries_is_counted_not_fatal():
