@@ -82,7 +82,7 @@ class ServerEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def _body(self, messages: Messages) -> dict:
+    def _body(self, messages: Messages, seed: int | None) -> dict:
         messages, tools = split_tools(messages)
         body = {
             "model": self.model or "default",
@@ -90,7 +90,7 @@ class ServerEngine:
             "max_tokens": self.sampling.max_new_tokens,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
-            "seed": self.sampling.seed,
+            "seed": self.sampling.seed if seed is None else seed,
         }
         if tools:
             body["tools"] = tools
@@ -100,10 +100,10 @@ class ServerEngine:
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking == "on"}
         return body
 
-    def _one(self, messages: Messages) -> Answer:
+    def _one(self, messages: Messages, seed: int | None = None) -> Answer:
         request = urllib.request.Request(
             self.url,
-            data=json.dumps(self._body(messages)).encode(),
+            data=json.dumps(self._body(messages, seed)).encode(),
             headers={"Content-Type": "application/json"},
         )
         with self._lock:
@@ -176,9 +176,11 @@ class ServerEngine:
                 )
         return FAILED_ANSWER
 
-    def complete(self, conversations: list[Messages]) -> list[Answer]:
+    def complete(self, conversations: list[Messages], seeds: list[int] | None = None) -> list[Answer]:
+        """One answer per conversation; `seeds` (one per answer) replace the sampling seed, so that repeats
+        of a conversation are sampled apart and an answer does not depend on what it was sent with."""
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._one, conversations))
+            return list(pool.map(self._one, conversations, seeds or [None] * len(conversations)))
 
     def check_some_succeeded(self) -> None:
         """Every request failing is never a data set, whatever --max-failed-requests allows."""

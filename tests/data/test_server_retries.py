@@ -121,6 +121,13 @@ def test_a_conversation_whose_request_failed_is_not_asked_its_later_turns_nor_jo
     assert read_journal(journal) == {}
 
 
+def test_each_answer_can_bring_its_own_seed():
+    with fake_chat_server(lambda body: "ok") as fake:
+        engine(fake.url).complete([HI, HI], seeds=[7, 8])
+        engine(fake.url).complete([HI])
+    assert [body["seed"] for body in fake.seen] == [7, 8, Sampling().seed]
+
+
 def _prepare(tmp_path: Path, target: Path, url: str, **settings) -> tuple[dict, str]:
     data = tmp_path / "in.jsonl"
     records = [{"prompt": p} for p in ("hi", "why", "2+2", "thanks")]
