@@ -73,7 +73,9 @@ def _turns(raw, shape: str, where: str) -> list[dict[str, str]]:
 def _openai_extras(m: dict, i: int, where: str) -> dict:
     """Tool calls, tool-result fields and reasoning of OpenAI message `i`, checked."""
     extras = {}
-    reasoning = m.get("reasoning_content", m.get("reasoning"))
+    reasoning = m.get("reasoning_content")
+    if reasoning is None:
+        reasoning = m.get("reasoning")  # newer vLLM's name for the field
     if reasoning is not None:
         if m["role"] != "assistant" or not isinstance(reasoning, str):
             raise FlashdraftError(

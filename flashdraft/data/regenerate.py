@@ -153,7 +153,7 @@ class ServerEngine:
         except (KeyError, IndexError, TypeError, AttributeError):
             raise FlashdraftError(f"server {self.url}: unexpected reply {str(reply)[:300]}") from None
         answer = {"role": "assistant", "content": content}
-        # servers with a reasoning parser split the thinking off the content (vLLM >= 0.10 calls it `reasoning`)
+        # servers with a reasoning parser split the thinking off the content (newer vLLM calls it `reasoning`)
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
             if self.reasoning is None:
