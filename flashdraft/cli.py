@@ -170,6 +170,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         server_url=args.server_url,
         server_model=args.server_model,
         concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        max_failed_requests=args.max_failed_requests,
         batch_size=args.batch_size,
         device=args.device,
         engine=args.engine,
@@ -457,6 +459,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"
+    )
+    p.add_argument(
+        "--max-retries",
+        type=non_negative_int,
+        default=5,
+        help="retries of a server request answered 429 or 5xx or whose connection broke (backoff with jitter)",
+    )
+    p.add_argument(
+        "--max-failed-requests",
+        type=non_negative_int,
+        default=None,
+        help="server requests that may still fail after their retries (their conversations are left out; "
+        "default: 1%% of the requests)",
     )
     p.add_argument(
         "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"

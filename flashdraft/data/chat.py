@@ -2,6 +2,12 @@
 
 Shapes: OpenAI `messages` ({role, content}), ShareGPT `conversations` ({from, value}), {prompt, response}
 and {prompt, completion} pairs, and pre-tokenized `input_ids`. Errors name the file and line.
+
+OpenAI messages keep their tool calls (`tool_calls` of an assistant turn; `tool_call_id` and `name` of a
+`tool` turn) and an assistant turn's reasoning (`reasoning_content`, or vLLM's `reasoning`). The record's
+`tools` list rides on the first message under `render.TOOLS_KEY`, so it travels with the conversation
+through regeneration and the journal (and changes its key); rendering and the server client take it
+back out (docs/inputs-and-outputs.md).
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from flashdraft.data.render import apply_chat_template
+from flashdraft.data.render import TOOLS_KEY, apply_chat_template
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -48,13 +54,83 @@ def _turns(raw, shape: str, where: str) -> list[dict[str, str]]:
         )
     messages = []
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or role_key not in m or content_key not in m:
+        calls = isinstance(m, dict) and shape == "messages" and m.get("tool_calls")
+        if not isinstance(m, dict) or role_key not in m or (content_key not in m and not calls):
             raise FlashdraftError(f"{where}: {shape}[{i}] needs '{role_key}' and '{content_key}'")
         role = m[role_key] if role_map is None else role_map.get(str(m[role_key]).lower())
         if role is None:
             raise FlashdraftError(f"{where}: {shape}[{i}] has unknown role {m[role_key]!r}")
-        messages.append({"role": role, "content": m[content_key]})
+        content = m.get(content_key)
+        if content is None and calls:
+            content = ""  # OpenAI gives null content beside tool calls
+        message = {"role": role, "content": content}
+        if shape == "messages":
+            message.update(_openai_extras(m, i, where))
+        messages.append(message)
     return messages
+
+
+def _openai_extras(m: dict, i: int, where: str) -> dict:
+    """Tool calls, tool-result fields and reasoning of OpenAI message `i`, checked."""
+    extras = {}
+    reasoning = m.get("reasoning_content")
+    if reasoning is None:
+        reasoning = m.get("reasoning")  # newer vLLM's name for the field
+    if reasoning is not None:
+        if m["role"] != "assistant" or not isinstance(reasoning, str):
+            raise FlashdraftError(
+                f"{where}: messages[{i}] reasoning_content must be a string of an assistant turn"
+            )
+        if reasoning:
+            extras["reasoning_content"] = reasoning
+    if m.get("tool_calls") is not None:
+        if m["role"] != "assistant":
+            raise FlashdraftError(f"{where}: messages[{i}] has tool_calls but its role is {m['role']!r}")
+        extras["tool_calls"] = check_tool_calls(m["tool_calls"], f"{where}: messages[{i}]")
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if m["role"] != "tool" or not isinstance(m[key], str):
+                raise FlashdraftError(f"{where}: messages[{i}] {key} must be a string of a 'tool' turn")
+            extras[key] = m[key]
+    return extras
+
+
+def check_tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI tool calls: [{id?, type?, function: {name, arguments (JSON text or object)}}]."""
+    if not isinstance(calls, list):
+        raise FlashdraftError(f"{where} tool_calls must be a list, found {_json_type(calls)}")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise FlashdraftError(f"{where} tool_calls[{j}] needs 'function' with a string 'name'")
+        if not isinstance(function.get("arguments", ""), str | dict):
+            raise FlashdraftError(
+                f"{where} tool_calls[{j}].function.arguments must be JSON text or an object, "
+                f"found {_json_type(function['arguments'])}"
+            )
+        if not isinstance(call.get("id", ""), str):
+            raise FlashdraftError(f"{where} tool_calls[{j}].id must be a string")
+    return calls
+
+
+def _is_named(schema) -> bool:
+    return isinstance(schema, dict) and isinstance(schema.get("name"), str)
+
+
+def _tools(raw, where: str) -> list[dict]:
+    """The record's tool list: function schemas, as a list or as JSON text of one (some datasets)."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise FlashdraftError(f"{where}: 'tools' is text that is not JSON") from None
+    if not isinstance(raw, list) or not all(
+        isinstance(t, dict) and _is_named(t.get("function") or t) for t in raw
+    ):
+        raise FlashdraftError(
+            f"{where}: 'tools' must be a list of tool objects, each with a 'name' (or 'function.name')"
+        )
+    return raw
 
 
 def _json_type(value) -> str:
@@ -105,6 +181,8 @@ def normalise(record: dict, where: str) -> Conversation:
             raise FlashdraftError(
                 f"{where}: message {i} content must be a string, found {_json_type(m['content'])}"
             )
+    if record.get("tools") is not None:
+        messages[0] = {**messages[0], TOOLS_KEY: _tools(record["tools"], where)}
     return Conversation(messages, None, where)
 
 

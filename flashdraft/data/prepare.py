@@ -10,7 +10,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,13 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
-from flashdraft.data.regenerate import ServerEngine, journal_key, regenerate
-from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
+from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
+from flashdraft.data.render import (
+    check_renders,
+    reasoning_placement,
+    render_conversation,
+    tokenizer_fingerprint,
+)
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.durable import disk_full_reason
@@ -41,6 +46,9 @@ class PrepareSettings:
     device: str = "auto"  # auto, cpu, cuda, cuda:N (docs/regeneration.md)
     engine: str = "auto"  # auto, hf, hf-cb, vllm
     workers: int = 1  # CPU worker processes
+    max_retries: int = 5  # per server request, on 429, 5xx and broken connections
+    max_failed_requests: int | None = None  # None: 1% of the server requests
+    retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
     limit: int = 0
     min_supervised: int = 1
     chunk: int = 256
@@ -150,11 +158,25 @@ def prepare(
             continue
         conversations.append((conv.messages, where))
 
-    sampling_record = None
+    sampling_record = server_requests = None
     if settings.regenerate:
         if local is None:
+            # one request per assistant turn; a conversation with only a prompt gets one answer too
+            requests = sum(
+                max(1, [m["role"] for m in messages].count("assistant")) for messages, _ in conversations
+            )
             engine = ServerEngine(
-                settings.server_url, settings.server_model, sampling, settings.thinking, settings.concurrency
+                settings.server_url,
+                settings.server_model,
+                sampling,
+                settings.thinking,
+                settings.concurrency,
+                reasoning=reasoning_placement(tokenizer, settings.thinking),
+                max_retries=settings.max_retries,
+                max_failed=(
+                    requests // 100 if settings.max_failed_requests is None else settings.max_failed_requests
+                ),
+                backoff=settings.retry_backoff,
             )
             engine_record = engine.describe()
             key_engine = engine_record
@@ -180,7 +202,7 @@ def prepare(
             if local is None:
                 done = regenerate(
                     items,
-                    lambda convs, _seeds: engine.complete(convs),
+                    engine.complete,
                     journal,
                     chunk=settings.chunk,
                     on_progress=progress,
@@ -191,8 +213,13 @@ def prepare(
                 done = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer, progress)
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
+        if local is None:
+            engine.check_some_succeeded()
         kept = []
         for (key, _), (_, where) in zip(items, conversations, strict=True):
+            if REQUEST_FAILED in done[key].finish_reasons:  # not journaled: a rerun asks again
+                dropped["server request failed"] += 1
+                continue
             # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
             # learn to end turns where the target does not. Such conversations are dropped and counted.
             if "length" in done[key].finish_reasons:
@@ -201,6 +228,8 @@ def prepare(
             kept.append((done[key].messages, where))
         conversations = kept
         sampling_record = engine_record
+        if local is None:
+            server_requests = asdict(engine.counts)
 
     samples, supervised, total = [], 0, 0
     for messages, where in conversations:
@@ -239,6 +268,7 @@ def prepare(
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
+        "server_requests": server_requests,
         "command": command or " ".join(sys.argv),
         "bad_records": bad_records[:100],
     }
@@ -263,5 +293,9 @@ def prepare(
             table.add_row("engine choice", sampling_record["engine_choice"])
     else:
         table.add_row("regenerated", "no")
+    if server_requests:
+        table.add_row("server requests", str(server_requests["requests"]))
+        table.add_row("server requests retried", str(server_requests["retried"]))
+        table.add_row("server requests failed", str(server_requests["failed"]))
     console.print(table)
     return manifest

@@ -12,30 +12,46 @@ target never reuses a stale answer (docs/inputs-and-outputs.md).
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
 import hashlib
+import http.client
 import json
 import os
+import random
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from flashdraft.config import Sampling
+from flashdraft.data.chat import check_tool_calls
+from flashdraft.data.render import reasoning_refusal, split_tools
 from flashdraft.errors import FlashdraftError
 
 Messages = list[dict[str, str]]
 
 
-# An answer and why it ended, in the OpenAI API's words: "stop" (an end-of-turn token), "length" (cut at
-# --max-new-tokens: not a finished answer, docs/inputs-and-outputs.md), or None when an engine does not say.
-Answer = tuple[str, str | None]
+# An answer (its text, or the server's whole assistant message) and why it ended, in the OpenAI API's words:
+# "stop" (an end-of-turn token), "length" (cut at --max-new-tokens: not a finished answer,
+# docs/inputs-and-outputs.md), REQUEST_FAILED, or None when an engine does not say.
+Answer = tuple[str | dict, str | None]
 
 
 class ServerEngine:
-    """POST /v1/chat/completions to an OpenAI-compatible server, `concurrency` requests in flight."""
+    """POST /v1/chat/completions to an OpenAI-compatible server, `concurrency` requests in flight.
+
+    A request answered 429 or 5xx, or whose connection broke, is retried up to `max_retries` times with
+    exponential backoff and jitter (a `Retry-After` header is honoured); one that still fails is counted and
+    its conversation left out (not journaled, so a rerun asks again), until more than `max_failed` requests
+    have failed. Other 4xx answers are not retried; 401, 403 and 404 (wrong key, URL or model name: every
+    request would get the same) stop the run at once with the server's message (docs/inputs-and-outputs.md).
+    """
 
     def __init__(
         self,
@@ -45,48 +61,186 @@ class ServerEngine:
         thinking: str | None,
         concurrency: int = 16,
         timeout: float = 600.0,
+        *,
+        reasoning: str | None = None,
+        max_retries: int = 5,
+        max_failed: int = 0,
+        backoff: float = 1.0,
     ):
         self.url = url.rstrip("/") + (
             "" if url.rstrip("/").endswith("/chat/completions") else "/v1/chat/completions"
         )
         self.model, self.sampling, self.thinking = model, sampling, thinking
         self.concurrency, self.timeout = concurrency, timeout
+        # where the target's template puts reasoning (render.reasoning_placement); None: it cannot, and a
+        # reply with reasoning stops the run before hours of answers that cannot be rendered
+        self.reasoning = reasoning
+        self.max_retries, self.max_failed, self.backoff = max_retries, max_failed, backoff
+        self.counts = RequestCounts()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
 
-    def _one(self, messages: Messages) -> Answer:
+    def _body(self, messages: Messages, seed: int | None) -> dict:
+        messages, tools = split_tools(messages)
         body = {
             "model": self.model or "default",
             "messages": messages,
             "max_tokens": self.sampling.max_new_tokens,
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
-            "seed": self.sampling.seed,
+            "seed": self.sampling.seed if seed is None else seed,
         }
+        if tools:
+            body["tools"] = tools
         if self.sampling.top_k:
             body["top_k"] = self.sampling.top_k
         if self.thinking is not None:  # SGLang and vLLM pass this to the chat template
             body["chat_template_kwargs"] = {"enable_thinking": self.thinking == "on"}
+        return body
+
+    def _one(self, messages: Messages, seed: int | None = None) -> Answer:
         request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            self.url,
+            data=json.dumps(self._body(messages, seed)).encode(),
+            headers={"Content-Type": "application/json"},
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise FlashdraftError(f"server {self.url}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
-        except (urllib.error.URLError, TimeoutError) as exc:
-            raise FlashdraftError(f"server {self.url}: {getattr(exc, 'reason', exc)}") from None
+        with self._lock:
+            self.counts.requests += 1
+        for attempt in range(self.max_retries + 1):
+            if self._stop.is_set():
+                return FAILED_ANSWER
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    reply = json.loads(response.read())
+                return self._answer(reply)
+            except urllib.error.HTTPError as exc:
+                failure = f"HTTP {exc.code}: {_snippet(exc.read())}"
+                if exc.code in (401, 403, 404):
+                    self._stop.set()
+                    raise FlashdraftError(f"--server-url {self.url}: {failure}") from None
+                if exc.code != 429 and exc.code < 500:
+                    return self._failed(failure)
+                wait = _retry_after(exc.headers.get("Retry-After"))
+            except (ConnectionError, http.client.HTTPException) as exc:  # reset, refused, cut off mid-reply
+                failure, wait = f"connection failed: {exc!r}", None
+            except urllib.error.URLError as exc:
+                if not isinstance(exc.reason, ConnectionError):
+                    return self._failed(str(exc.reason))
+                failure, wait = f"connection failed: {exc.reason!r}", None
+            except (TimeoutError, json.JSONDecodeError) as exc:
+                return self._failed(f"{type(exc).__name__}: {exc}")
+            if attempt == self.max_retries:
+                break
+            with self._lock:
+                self.counts.retries += 1
+                self.counts.retried += attempt == 0
+            if (
+                wait is None
+            ):  # exponential backoff, jittered so that concurrent requests do not retry together
+                wait = min(BACKOFF_CAP_SECONDS, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
+            self._stop.wait(wait)
+        return self._failed(failure)
+
+    def _answer(self, reply) -> Answer:
         try:
             choice = reply["choices"][0]
-            return choice["message"]["content"], choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError):
+            message, reason = choice["message"], choice.get("finish_reason")
+            content = message.get("content") or ""
+            if not isinstance(content, str):
+                raise TypeError
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise FlashdraftError(f"server {self.url}: unexpected reply {str(reply)[:300]}") from None
+        answer = {"role": "assistant", "content": content}
+        # servers with a reasoning parser split the thinking off the content (newer vLLM calls it `reasoning`)
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            if self.reasoning is None:
+                self._stop.set()
+                raise reasoning_refusal(f"--server-url {self.url}")
+            answer["reasoning_content"] = reasoning
+        if message.get("tool_calls"):
+            answer["tool_calls"] = check_tool_calls(message["tool_calls"], f"server {self.url}: reply")
+        return answer, reason
 
-    def complete(self, conversations: list[Messages]) -> list[Answer]:
+    def _failed(self, failure: str) -> Answer:
+        with self._lock:
+            self.counts.failed += 1
+            self.counts.last_failure = failure
+            if self.counts.failed > self.max_failed:
+                self._stop.set()
+                raise FlashdraftError(
+                    f"--server-url {self.url}: {_requests(self.counts.failed)} failed (more than "
+                    f"--max-failed-requests {self.max_failed}); last: {failure}"
+                )
+        return FAILED_ANSWER
+
+    def complete(self, conversations: list[Messages], seeds: list[int] | None = None) -> list[Answer]:
+        """One answer per conversation; `seeds` (one per answer) replace the sampling seed, so that repeats
+        of a conversation are sampled apart and an answer does not depend on what it was sent with."""
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._one, conversations))
+            return list(pool.map(self._one, conversations, seeds or [None] * len(conversations)))
+
+    def check_some_succeeded(self) -> None:
+        """Every request failing is never a data set, whatever --max-failed-requests allows."""
+        c = self.counts
+        if c.requests and c.failed == c.requests:
+            raise FlashdraftError(
+                f"--server-url {self.url}: all {c.requests} requests failed; last: {c.last_failure}"
+            )
 
     def describe(self) -> dict:
         return {"engine": "server", "url": self.url, "model": self.model, **asdict(self.sampling)}
+
+
+# The finish reason of an answer whose request failed after its retries: never journaled (a rerun asks
+# again), its conversation is left out and counted.
+REQUEST_FAILED = "request failed"
+FAILED_ANSWER: Answer = ({"role": "assistant", "content": ""}, REQUEST_FAILED)
+BACKOFF_CAP_SECONDS = 60.0
+RETRY_AFTER_CAP_SECONDS = 600.0
+
+
+@dataclass
+class RequestCounts:
+    """What the server client did, for the summary and manifest.json (never part of the journal key)."""
+
+    requests: int = 0  # answers asked for
+    retried: int = 0  # requests that needed at least one retry
+    retries: int = 0  # extra attempts in all
+    failed: int = 0  # requests that still failed (their conversations are left out)
+    last_failure: str | None = None
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
+
+
+def _snippet(body: bytes) -> str:
+    text = body.decode("utf-8", "replace").strip()
+    with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+        error = json.loads(text).get("error", {})  # OpenAI style: {"error": {"message": ...}}
+        text = error.get("message", text) if isinstance(error, dict) else str(error)
+    return " ".join(text.split())[:300] or "(empty body)"
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a Retry-After header (seconds or an HTTP date), capped; None when absent."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = (email.utils.parsedate_to_datetime(value) - datetime.now(timezone.utc)).total_seconds()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, 0.0), RETRY_AFTER_CAP_SECONDS)
+
+
+def assistant_message(answer: str | dict) -> dict:
+    """An engine's answer as an assistant message: the server's comes whole (with its reasoning and tool
+    calls), a local engine's is the text."""
+    return answer if isinstance(answer, dict) else {"role": "assistant", "content": answer}
 
 
 def journal_key(messages: Messages, occurrence: int, settings: dict[str, Any]) -> str:
@@ -177,8 +331,10 @@ def regenerate(
     """Regenerate every assistant turn of every (key, conversation), turn by turn (turn k sees the
     regenerated turns before it), `chunk` conversations at a time; finished ones are journaled as they
     complete (to `write_to`, default the journal itself: a worker writes its own part). Returns the
-    regenerated conversation of every key in `items`, with why each answer ended."""
+    regenerated conversation of every key in `items`, with why each answer ended; a conversation whose
+    request failed (REQUEST_FAILED) is returned but not journaled, so a rerun asks again."""
     done = read_journal(journal)
+    failed: dict[str, Regenerated] = {}
     wanted = {key for key, _ in items}
     todo = [(key, m) for key, m in items if key not in done]
     target = write_to or journal
@@ -205,10 +361,15 @@ def regenerate(
                 answers = complete([convs[key] for key in asking], seeds)
                 for key, (answer, reason, *generated) in zip(asking, answers, strict=True):
                     remaining[key].pop(0)  # the original assistant turn is replaced
-                    convs[key].append({"role": "assistant", "content": answer})
+                    convs[key].append(assistant_message(answer))
                     reasons[key].append(reason)
                     ids[key].append(generated[0] if generated else None)
+                    if reason == REQUEST_FAILED:  # a later turn would build on no answer
+                        del remaining[key]
             for key, _ in group:
+                if REQUEST_FAILED in reasons[key]:
+                    failed[key] = Regenerated(convs[key], reasons[key])
+                    continue
                 record = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
                 if any(turn is not None for turn in ids[key]):
                     record["token_ids"] = ids[key]
@@ -218,4 +379,4 @@ def regenerate(
             os.fsync(handle.fileno())
             if on_progress:
                 on_progress(sum(key in done for key in wanted), len(wanted))
-    return {key: done[key] for key in wanted}
+    return {key: done[key] if key in done else failed[key] for key in wanted}

@@ -11,13 +11,22 @@ messages[:i+1] (that plus the answer); the answer is what lies between, up to an
 special token (the end of turn). Templates with `{% generation %}` markers give the mask directly.
 When a template rewrites history (so an earlier turn renders differently once later turns follow), each
 assistant turn becomes its own sample, rendered exactly as it is served.
+
+Messages reach the template as a serving engine hands them over (docs/inputs-and-outputs.md): the
+record's `tools` list (carried on the first message, see `flashdraft.data.chat`) goes to the template's
+`tools` argument, tool-call arguments given as JSON text become objects, and an assistant turn's reasoning
+(`reasoning_content`) is kept as that field when the template renders it, or put back inside
+`<think>...</think>` at the start of the content for templates that only know the think tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 
 from jinja2 import TemplateError
 
@@ -36,6 +45,9 @@ def apply_chat_template(tokenizer, messages, thinking: str | None, where: str, *
     is an error naming the conversation and the template's own message."""
     if thinking is not None:
         kwargs["enable_thinking"] = thinking == "on"
+    messages, tools = template_messages(tokenizer, messages, thinking, where)
+    if tools:
+        kwargs["tools"] = tools
     try:
         return tokenizer.apply_chat_template(messages, **kwargs)
     except (TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
@@ -43,6 +55,86 @@ def apply_chat_template(tokenizer, messages, thinking: str | None, where: str, *
         raise FlashdraftError(
             f"{where}: the target's chat template refused this conversation: {message}"
         ) from None
+
+
+TOOLS_KEY = "tools"  # the record's tool list, carried on its first message (flashdraft.data.chat)
+_REASONING_PROBE = "flashdraft reasoning probe"
+
+
+def split_tools(messages: list[dict]) -> tuple[list[dict], list[dict] | None]:
+    """The messages without the carried tool list, and that list (None when the record has none)."""
+    if not messages or TOOLS_KEY not in messages[0]:
+        return messages, None
+    first = {k: v for k, v in messages[0].items() if k != TOOLS_KEY}
+    return [first, *messages[1:]], messages[0][TOOLS_KEY]
+
+
+def _template_text(tokenizer) -> str:
+    template = tokenizer.chat_template
+    return template if isinstance(template, str) else json.dumps(template or "")
+
+
+@lru_cache(maxsize=64)
+def _placement(tokenizer, template: str, thinking: str | None) -> str | None:
+    kwargs = {"tokenize": False} | ({} if thinking is None else {"enable_thinking": thinking == "on"})
+    plain = [{"role": "user", "content": "probe question"}, {"role": "assistant", "content": "probe answer"}]
+    with_field = [plain[0], {**plain[1], "reasoning_content": _REASONING_PROBE}]
+    try:
+        if _REASONING_PROBE in tokenizer.apply_chat_template(with_field, **kwargs) and (
+            tokenizer.apply_chat_template(plain, **kwargs)
+            != tokenizer.apply_chat_template(with_field, **kwargs)
+        ):
+            return "reasoning_content"
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError):
+        pass  # a template that refuses the probe does not render the field
+    vocab = tokenizer.get_vocab()
+    if ("<think>" in template and "</think>" in template) or ("<think>" in vocab and "</think>" in vocab):
+        return "think"
+    return None
+
+
+def reasoning_placement(tokenizer, thinking: str | None) -> str | None:
+    """Where the target's chat template expects an assistant turn's reasoning: "reasoning_content" when it
+    renders that message field (found by rendering a probe conversation with and without it), "think" when
+    it only knows `<think>...</think>` inside the content (Qwen3 style), None when it can render neither."""
+    return _placement(tokenizer, _template_text(tokenizer), thinking)
+
+
+def reasoning_refusal(where: str) -> FlashdraftError:
+    return FlashdraftError(
+        f"{where}: the answer has reasoning (reasoning_content) but the target's chat template cannot render it "
+        "(it renders no reasoning_content field and has no <think> tokens); regenerate with --thinking off "
+        "(or the server's reasoning parser off), or give the target a chat template that renders reasoning"
+    )
+
+
+def template_messages(
+    tokenizer, messages: list[dict], thinking: str | None, where: str
+) -> tuple[list[dict], list[dict] | None]:
+    """The messages as the template receives them from a serving engine, and the record's tool list."""
+    messages, tools = split_tools(messages)
+    if not any("tool_calls" in m or m.get("reasoning_content") for m in messages):
+        return messages, tools
+    out = []
+    for m in messages:
+        m = copy.deepcopy(m)
+        for call in m.get("tool_calls") or []:
+            # OpenAI sends arguments as JSON text; serving engines decode them before templating, and
+            # templates print them with `tojson` (text would be quoted twice).
+            function = call.get("function", {})
+            if isinstance(function.get("arguments"), str):
+                with contextlib.suppress(json.JSONDecodeError):  # not JSON: the text the model wrote
+                    function["arguments"] = json.loads(function["arguments"])
+        reasoning = m.get("reasoning_content")
+        if reasoning:
+            placement = reasoning_placement(tokenizer, thinking)
+            if placement is None:
+                raise reasoning_refusal(where)
+            if placement == "think":
+                del m["reasoning_content"]
+                m["content"] = f"<think>\n{reasoning}\n</think>\n\n{m.get('content') or ''}"
+        out.append(m)
+    return out, tools
 
 
 def check_renders(tokenizer, messages, thinking: str | None, where: str) -> None:
@@ -96,11 +188,7 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
         raise FlashdraftError(f"{where}: no assistant turn to learn from")
     if messages[0]["role"] == "assistant":
         raise FlashdraftError(f"{where}: the conversation starts with an assistant turn (no prompt)")
-    template = (
-        tokenizer.chat_template
-        if isinstance(tokenizer.chat_template, str)
-        else json.dumps(tokenizer.chat_template)
-    )
+    template = _template_text(tokenizer)
     if "{% generation %}" in template or "{%- generation %}" in template:
         return [_render_with_generation_markers(tokenizer, messages, thinking, where)]
 
@@ -158,11 +246,7 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
     """Hashes that tie shards to the tokenizer and chat template they were made with."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()
     specials = json.dumps(sorted(tokenizer.all_special_tokens)).encode()
-    template = (
-        tokenizer.chat_template
-        if isinstance(tokenizer.chat_template, str)
-        else json.dumps(tokenizer.chat_template or "")
-    )
+    template = _template_text(tokenizer)
     return {
         "tokenizer_sha256": hashlib.sha256(vocab + b"\0" + specials).hexdigest(),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),

@@ -1,5 +1,5 @@
-"""Tiny word-level tokenizers with Qwen3-style and Llama-3-style chat templates, built in the test; a real
-small (or read-only) filesystem for disk-full tests."""
+"""Tiny word-level tokenizers with Qwen3-style and Llama-3-style chat templates, a character-level one for any
+template, built in the test; a fake OpenAI-compatible chat server."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -80,33 +80,81 @@ def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
     return fast
 
 
+# What the fake server says instead of answering: (HTTP status, body, headers), or RESET (the connection is
+# closed without a reply).
+Failure = tuple[int, str, dict[str, str]] | str
+RESET = "reset"
+
+
+def make_char_tokenizer(
+    template: str, specials: tuple[str, ...] = tuple(QWEN_SPECIALS)
+) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (and newline) plus `specials`; decoding gives back the exact
+    text, so tests can compare supervised spans as text. 100 + len(specials) ids."""
+    chars = ["\n", *map(chr, range(32, 127)), "[UNK]"]
+    vocab = {w: i for i, w in enumerate(chars + list(specials))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|[\s\S]"
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        eos_token=specials[1],
+        additional_special_tokens=list(specials),
+    )
+    fast.chat_template = template
+    return fast
+
+
 @dataclass
 class FakeChatServer:
     """An OpenAI-compatible chat endpoint on loopback: answers with `answer(request body)`, records every
-    request in `seen`, and waits `delay` seconds before each reply (to be killed mid-run)."""
+    request in `seen` (with its arrival time in `arrivals`), and waits `delay` seconds before each reply (to
+    be killed mid-run). While `script` holds failures, each request gets the next one instead of an answer."""
 
-    answer: Callable[[dict], str | tuple[str, str]]  # the content, or (content, finish_reason)
+    # the content, (content, finish_reason), or the whole assistant message (a dict), optionally with a reason
+    answer: Callable[[dict], str | dict | tuple[str | dict, str]]
     url: str = ""
     delay: float = 0.0
     seen: list[dict] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    script: list[Failure] = field(default_factory=list)
 
 
 @contextlib.contextmanager
-def fake_chat_server(answer: Callable[[dict], str | tuple[str, str]]) -> Iterator[FakeChatServer]:
-    server = FakeChatServer(answer)
+def fake_chat_server(
+    answer: Callable[[dict], str | dict | tuple[str | dict, str]], script: list[Failure] | None = None
+) -> Iterator[FakeChatServer]:
+    server = FakeChatServer(answer, script=list(script or []))
+    lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            server.seen.append(body)
+            with lock:
+                server.seen.append(body)
+                server.arrivals.append(time.monotonic())
+                failure = server.script.pop(0) if server.script else None
+            if failure == RESET:
+                self.close_connection = True  # closed without a reply: the client sees a broken connection
+                return
+            if failure is not None:
+                status, text, headers = failure
+                self._send(status, text.encode(), headers)
+                return
             time.sleep(server.delay)
             answer = server.answer(body)
-            content, reason = answer if isinstance(answer, tuple) else (answer, "stop")
-            reply = {
-                "choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": reason}]
-            }
-            payload = json.dumps(reply).encode()
-            self.send_response(200)
+            message, reason = answer if isinstance(answer, tuple) else (answer, "stop")
+            if not isinstance(message, dict):
+                message = {"role": "assistant", "content": message}
+            reply = {"choices": [{"message": message, "finish_reason": reason}]}
+            self._send(200, json.dumps(reply).encode(), {})
+
+        def _send(self, status: int, payload: bytes, headers: dict[str, str]) -> None:
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -115,10 +163,25 @@ def fake_chat_server(answer: Callable[[dict], str | tuple[str, str]]) -> Iterato
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # the default backlog (5) resets connections under concurrent requests
+
+    httpd = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         yield server
     finally:
         httpd.shutdown()
+
+
+def supervised_spans(tokenizer, ids, mask) -> list[str]:
+    """The text of each run of supervised tokens (what the model is taught to generate)."""
+    spans, run = [], []
+    for token, supervised in [*zip(list(ids), list(mask), strict=True), (None, 0)]:
+        if supervised:
+            run.append(int(token))
+        elif run:
+            spans.append(tokenizer.decode(run))
+            run = []
+    return spans
