@@ -100,13 +100,13 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
         drafter_config = read_config(m.drafter)
         check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
         return load_drafter(m.drafter, target=target_config)
-    mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
     layer_types = None if m.layer_types is None else parse_layer_types(m.layer_types, "model.layer_types")
     num_layers = m.num_layers if m.num_layers is not None else len(layer_types or []) or DEFAULT_NUM_LAYERS
     if layer_types is not None and len(layer_types) != num_layers:
         raise FlashdraftError(
             f"config: model.layer_types has {len(layer_types)} entries for model.num_layers={num_layers}"
         )
+    mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
     drafter_config = make_drafter_config(
         target_config,
         num_layers=num_layers,
