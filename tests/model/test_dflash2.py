@@ -285,3 +285,43 @@ def test_export(tmp_path, qwen3_target):
     assert "DFlash2DraftModel" in command
     with pytest.raises(FlashdraftError, match="DFlash2 drafters"):
         export_drafter(out, "vllm", tmp_path / "v", target=qwen3_target)
+
+
+@pytest.mark.slow
+def test_trainer_trains_a_dflash2_drafter_by_config_override_only(tmp_path, qwen3_target):
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    data = tmp_path / "d.jsonl"
+    with data.open("w") as f:
+        for i in range(4):
+            ids = [(i * 5 + j) % 290 for j in range(40)]
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 4 + [1] * 36}) + "\n")
+    out = tmp_path / "run"
+    overrides = [
+        f"model.target={qwen3_target}",
+        "model.mask_token_id=300",
+        "model.block_size=4",
+        "model.arch=dflash2",
+        "model.layer_types=[S, F]",
+        "model.sliding_window=16",
+        "train.loss=lk",
+        "train.position_weight=dpace",
+        "train.selector_ramp_steps=2",
+        f"data.train=[{data}]",
+        f"train.out_dir={out}",
+        "train.max_steps=3",
+        "train.log_every=1",
+        "train.num_anchors=8",
+        "train.batch_size=2",
+        "train.device=cpu",
+        "train.resume=never",
+    ]
+    train(load_config(None, overrides))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "loss" in r]) == 3 and all(
+        math.isfinite(r["loss"]) for r in rows if "loss" in r
+    )
+    saved = load_drafter(out / "checkpoints" / "step-00000003" / "drafter")
+    assert isinstance(saved, DFlash2DraftModel)
+    assert [k.window for k in saved.layer_kinds()] == [16, None]
