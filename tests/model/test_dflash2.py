@@ -370,3 +370,21 @@ def test_sampled_selector_decoding_follows_the_target_distribution(tmp_path):
     assert 0.5 * (emp2 - exact2).abs().sum() < 0.07
     assert 0.5 * (emp3 - exact3).abs().sum() < 0.07
     assert 1 in steps and max(steps) > 1
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"conv_group_size": 7}, "'dflash_config.conv_group_size'=7 does not divide hidden_size"),
+        ({"selector_top_k": None}, "needs 'dflash_config.selector_top_k' as a positive integer"),
+        ({"selector_top_k": 100000}, "'dflash_config.selector_top_k'=100000 exceeds vocab_size"),
+    ],
+)
+def test_bad_dflash2_fields_are_named(tmp_path, qwen3_target, edit, message):
+    out = _dflash2_dir(tmp_path, qwen3_target)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["dflash_config"] |= edit
+    path.write_text(json.dumps(config))
+    with pytest.raises(FlashdraftError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_drafter(out)
