@@ -99,26 +99,42 @@ def sampling_from_flags(args: argparse.Namespace) -> Sampling:
 
 def cmd_init(args: argparse.Namespace) -> int:
     from flashdraft.model.drafter_dir import init_drafter
+    from flashdraft.model.spec import DEFAULT_SLIDING_WINDOW, parse_layer_types
 
     layer_types = None
+    num_layers = args.num_layers
+    if args.layer_types is not None:
+        if args.sliding_layers is not None:
+            raise FlashdraftError("--layer-types and --sliding-layers both say which layers slide; give one")
+        layer_types = parse_layer_types(args.layer_types.split(","), "--layer-types")
+        if num_layers is not None and num_layers != len(layer_types):
+            raise FlashdraftError(
+                f"--layer-types has {len(layer_types)} entries but --num-layers is {num_layers}"
+            )
+        num_layers = len(layer_types)
+    num_layers = 5 if num_layers is None else num_layers
     if args.sliding_layers is not None and args.sliding_window is None:
         raise FlashdraftError("--sliding-layers needs --sliding-window (the window those layers use)")
-    if args.sliding_layers is not None and args.sliding_layers > args.num_layers:
+    if args.sliding_layers is not None and args.sliding_layers > num_layers:
         raise FlashdraftError(
-            f"--sliding-layers {args.sliding_layers} is more than --num-layers {args.num_layers}"
+            f"--sliding-layers {args.sliding_layers} is more than --num-layers {num_layers}"
         )
-    if args.sliding_window is not None:
-        n_sliding = args.num_layers - 1 if args.sliding_layers is None else args.sliding_layers
-        layer_types = ["sliding_attention"] * n_sliding + ["full_attention"] * (args.num_layers - n_sliding)
+    if args.sliding_window is not None and layer_types is None:
+        n_sliding = num_layers - 1 if args.sliding_layers is None else args.sliding_layers
+        layer_types = ["sliding_attention"] * n_sliding + ["full_attention"] * (num_layers - n_sliding)
+    sliding_window = args.sliding_window
+    if sliding_window is None and layer_types is not None and "sliding_attention" in layer_types:
+        sliding_window = DEFAULT_SLIDING_WINDOW
     out = init_drafter(
         args.target,
         args.out,
-        num_layers=args.num_layers,
+        num_layers=num_layers,
         block_size=args.block_size,
         target_layer_ids=args.target_layer_ids,
         mask_token_id=args.mask_token_id,
         layer_types=layer_types,
-        sliding_window=args.sliding_window,
+        sliding_window=sliding_window,
+        arch=args.arch,
         seed=args.seed,
         force=args.force,
     )
@@ -127,7 +143,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     spec = DFlashSpec.from_config(read_config(out))
     print(
-        f"wrote drafter {out}: {args.num_layers} layers, block {spec.block_size}, "
+        f"wrote {args.arch} drafter {out}: {num_layers} layers, block {spec.block_size}, "
         f"target_layer_ids {list(spec.target_layer_ids)}, mask_token_id {spec.mask_token_id}"
     )
     return 0
@@ -391,7 +407,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init", help="create a new drafter directory for a target")
     p.add_argument("--target", required=True, help="local Hugging Face model directory of the target")
     p.add_argument("--out", required=True, help="drafter directory to write")
-    p.add_argument("--num-layers", type=positive_int, default=5, help="drafter decoder layers (paper: 5)")
+    p.add_argument(
+        "--num-layers", type=positive_int, default=None, help="drafter decoder layers (paper: 5; default 5)"
+    )
+    p.add_argument(
+        "--arch",
+        choices=("dflash", "dflash2"),
+        default="dflash",
+        help="dflash (paper) or dflash2 (convolutions + candidate selector, docs/drafters.md)",
+    )
+    p.add_argument(
+        "--layer-types",
+        default=None,
+        help="per-layer attention, e.g. S,S,S,S,F (S: causal sliding window, F: full, bidirectional); "
+        "sets the number of layers",
+    )
     p.add_argument("--block-size", type=block_size, default=16, help="block size B (paper: 16 for Qwen3)")
     p.add_argument(
         "--target-layer-ids",
@@ -409,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sliding-window",
         type=positive_int,
         default=None,
-        help="make the first layers sliding-window layers",
+        help="sliding-window size (default 2048 with --layer-types); alone: the first layers slide",
     )
     p.add_argument(
         "--sliding-layers",

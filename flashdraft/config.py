@@ -61,6 +61,19 @@ class ModelConfig:
         "Token id used for masked block positions; default from the tokenizer or the Qwen3 convention, "
         "or model.drafter's.",
     )
+    arch: str | None = doc(
+        None,
+        "A new drafter's architecture: 'dflash' (default) or 'dflash2' (grouped dynamic causal convolutions "
+        "and a candidate selector, docs/drafters.md §3). model.drafter fixes it.",
+    )
+    layer_types: list[str] | None = doc(
+        None,
+        "A new drafter's per-layer attention, e.g. [S, S, S, S, F] (S/sliding_attention: a causal sliding "
+        "window; F/full_attention: bidirectional); default all full. model.drafter fixes it.",
+    )
+    sliding_window: int | None = doc(
+        None, "Window of the sliding layers of a new drafter; default 2048 when model.layer_types has S."
+    )
 
 
 @dataclass
@@ -84,6 +97,25 @@ class TrainConfig:
     grad_clip: float = doc(1.0, "Global gradient-norm clip (paper: 1.0).")
     num_anchors: int = doc(512, "Anchors (blocks) sampled per sequence, fresh each epoch (paper: 512).")
     gamma: float | None = doc(None, "Loss decay exp(-(k-1)/gamma); default 7/5/4 for block size 16/10/8.")
+    loss: str = doc(
+        "ce",
+        "Per-position loss (docs/drafters.md §1): 'ce' (cross-entropy to the data token, paper), 'kl' "
+        "(KL to the target's distribution) or 'lk' (the LK loss: acceptance-rate hybrid of KL and TV).",
+    )
+    position_weight: str = doc(
+        "decay",
+        "Block-position weights: 'decay' (exp(-(k-1)/gamma), paper) or 'dpace' (D-PACE: the expected "
+        "accepted positions each one unlocks, from the drafter's own confidence).",
+    )
+    dpace_alpha: float = doc(0.5, "D-PACE smoothing: a position counts as accepted with (1-a)·q(label) + a.")
+    lk_eta: float = doc(3.0, "LK loss: the KL share is exp(-lk_eta · expected acceptance).")
+    selector_alpha: float = doc(
+        0.5, "DFlash2: factor of the selector's cross-entropy over its top-k candidates (0: off)."
+    )
+    selector_warmup_steps: int = doc(0, "DFlash2: optimizer steps before the selector loss starts.")
+    selector_ramp_steps: int = doc(
+        0, "DFlash2: steps over which the selector factor rises linearly to selector_alpha (0: at once)."
+    )
     seed: int = doc(0, "Seed of initialisation, data order and anchor sampling.")
     device: str = doc("auto", "'auto' (cuda if present), 'cuda', 'cuda:N' or 'cpu'.")
     dtype: str = doc("auto", "Compute dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'.")
@@ -372,6 +404,32 @@ def validate(config: Config) -> None:
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
         (t.grad_clip > 0, f"train.grad_clip must be positive (a global-norm limit), got {t.grad_clip}"),
         (t.gamma is None or t.gamma > 0, f"train.gamma must be positive, got {t.gamma}"),
+        (t.loss in ("ce", "kl", "lk"), f"train.loss must be ce, kl or lk, got {t.loss!r}"),
+        (
+            t.position_weight in ("decay", "dpace"),
+            f"train.position_weight must be decay or dpace, got {t.position_weight!r}",
+        ),
+        (0 <= t.dpace_alpha <= 1, f"train.dpace_alpha must be in [0, 1], got {t.dpace_alpha}"),
+        (t.lk_eta >= 0, f"train.lk_eta must be >= 0, got {t.lk_eta}"),
+        (t.selector_alpha >= 0, f"train.selector_alpha must be >= 0, got {t.selector_alpha}"),
+        (
+            t.selector_warmup_steps >= 0,
+            f"train.selector_warmup_steps must be >= 0, got {t.selector_warmup_steps}",
+        ),
+        (t.selector_ramp_steps >= 0, f"train.selector_ramp_steps must be >= 0, got {t.selector_ramp_steps}"),
+        (
+            m.arch is None or m.arch in ("dflash", "dflash2"),
+            f"model.arch must be dflash or dflash2, got {m.arch!r}",
+        ),
+        (
+            m.sliding_window is None or m.sliding_window >= 1,
+            f"model.sliding_window must be at least 1, got {m.sliding_window}",
+        ),
+        (
+            not m.drafter or (m.arch is None and m.layer_types is None and m.sliding_window is None),
+            f"model.arch, model.layer_types and model.sliding_window describe a new drafter; "
+            f"model.drafter={m.drafter} fixes them (drop them)",
+        ),
         (t.seed >= 0, f"train.seed must be >= 0, got {t.seed}"),
         (
             bool(_DEVICE.match(t.device)),

@@ -5,7 +5,9 @@ context K/V; the block's K/V are never stored), one target verify forward over t
 target cache rollback to the accepted prefix (every layer kind: full and sliding attention, recurrent
 linear attention; see DecodingCache), and the accepted tokens' target features become the next step's
 new context. block_size=1 skips the drafter entirely: plain autoregressive decoding through the same
-code, which is the speedup baseline.
+code, which is the speedup baseline. A DFlash2 drafter proposes through its candidate selector: the argmax
+path, or a sampled path whose per-step distributions over the candidates are the q of rejection sampling
+(docs/drafters.md §3).
 """
 
 from __future__ import annotations
@@ -60,6 +62,40 @@ def _single_block_masks(
     keep = torch.ones(1, 1, dtype=torch.bool, device=device)
     positions = torch.arange(ctx_len, device=device)[None]
     return {k.key: dense_mask(anchors, keep, positions, block, k) for k in set(kinds)}
+
+
+def _propose(
+    drafter: DFlashDraftModel,
+    hidden: Tensor,
+    anchor: Tensor,
+    target: TargetModel,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    draft_sampling: str,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens for block positions 1.. from their hidden states [1, n, H], and the proposal
+    distribution q [n, V] they were drawn from (None when greedy: acceptance needs no q)."""
+    greedy = temperature == 0
+    argmax = greedy or draft_sampling == "argmax"
+    vocab = target.vocab_size
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2
+        path, candidates, q_rows = drafter.propose(
+            hidden, anchor, target.lm_head_weight, 0.0 if argmax else temperature, generator
+        )
+        drafts = path[0]
+        if argmax:
+            return drafts, None if greedy else one_hot_probs(drafts, vocab)
+        # The selector's distribution over its candidates, as a full-vocabulary q.
+        q = torch.zeros(drafts.shape[0], vocab, device=hidden.device).scatter_(-1, candidates[0], q_rows[0])
+        return drafts, q
+    draft_logits = drafter.compute_logits(hidden[0], target.lm_head_weight)
+    if argmax:
+        drafts = draft_logits.argmax(-1)
+        return drafts, None if greedy else one_hot_probs(drafts, draft_logits.shape[-1])
+    draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
+    return sample(draft_probs, generator), draft_probs
 
 
 @torch.inference_mode()
@@ -130,14 +166,19 @@ def generate(
                     torch.arange(start, start + size, device=device)[None],
                     masks,
                     cache=draft_cache,
+                    block_len=size,
                 )
-                draft_logits = drafter.compute_logits(hidden[0, 1:], target.lm_head_weight)
-                if greedy or draft_sampling == "argmax":
-                    block_ids[1:] = draft_logits.argmax(-1)
-                    draft_probs = None if greedy else one_hot_probs(block_ids[1:], draft_logits.shape[-1])
-                else:
-                    draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
-                    block_ids[1:] = sample(draft_probs, generator)
+                block_ids[1:], draft_probs = _propose(
+                    drafter,
+                    hidden[:, 1:],
+                    block_ids[:1],
+                    target,
+                    temperature,
+                    top_p,
+                    top_k,
+                    draft_sampling,
+                    generator,
+                )
             logits, features = target.forward_cached(
                 block_ids[None], torch.arange(start, start + size, device=device)[None], cache
             )

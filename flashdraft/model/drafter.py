@@ -125,6 +125,9 @@ class DrafterLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # DFlash2 sets these to GroupedDynamicCausalConv (flashdraft/model/dflash2.py); DFlash leaves them None.
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
 
     def forward(
         self,
@@ -136,14 +139,28 @@ class DrafterLayer(nn.Module):
         sin: Tensor,
         mask: Tensor | BlockMask | None,
         past: tuple[Tensor, Tensor] | None = None,
+        block_len: int | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """Returns the block's new hidden state and this layer's context K/V (past + new rows)."""
+        """Returns the block's new hidden state and this layer's context K/V (past + new rows).
+        `block_len`: the length of each block in `x` (the DFlash2 convolutions stay inside a block)."""
         ctx_k, ctx_v = self.self_attn.key_value(ctx, ctx_cos, ctx_sin)
         if past is not None:
             ctx_k = torch.cat([past[0], ctx_k], dim=2)
             ctx_v = torch.cat([past[1], ctx_v], dim=2)
-        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            x = x + self.self_attn(h, ctx_k, ctx_v, cos, sin, mask)
+        else:
+            h, kernel = self.attention_conv.prepare(h, block_len)
+            x = x + self.attention_conv.finish(
+                self.self_attn(h, ctx_k, ctx_v, cos, sin, mask), kernel, block_len
+            )
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            x = x + self.mlp(h)
+        else:
+            h, kernel = self.mlp_conv.prepare(h, block_len)
+            x = x + self.mlp_conv.finish(self.mlp(h), kernel, block_len)
         return x, (ctx_k, ctx_v)
 
 
@@ -208,14 +225,22 @@ class DFlashDraftModel(nn.Module):
         block_positions: Tensor,
         masks: Masks | None,
         cache: DraftCache | None = None,
+        block_len: int | None = None,
     ) -> Tensor:
         """noise_embedding [b, Q, H] (embedded blocks); target_hidden [b, C, n_feat*H] (raw concatenated
         target features of the new context rows); positions are absolute. Returns normed hidden [b, Q, H].
 
         With `cache`, the new context rows are appended to it and the block attends to all cached rows.
         `masks` maps LayerKind.key to a mask; None means every block query sees every key (decoding a
-        single block with full-attention layers only).
+        single block with full-attention layers only). `block_len` is the length of each block in the
+        query rows (default: the drafter's block size, or all rows as one shorter block; only DFlash2's
+        convolutions depend on it).
         """
+        rows = noise_embedding.shape[1]
+        if block_len is None:
+            block_len = self.block_size if rows % self.block_size == 0 else rows
+        if rows % block_len:
+            raise ValueError(f"{rows} block rows are not whole blocks of {block_len}")
         ctx = self.hidden_norm(self.fc(target_hidden))
         ctx_cos, ctx_sin = self.rope(ctx_positions, noise_embedding)
         cos, sin = self.rope(block_positions, noise_embedding)
@@ -224,7 +249,7 @@ class DFlashDraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             mask = None if masks is None else masks[layer.self_attn.kind.key]
             past = cache.kv[i] if cache is not None and cache.kv is not None else None
-            x, kv = layer(x, ctx, ctx_cos, ctx_sin, cos, sin, mask, past)
+            x, kv = layer(x, ctx, ctx_cos, ctx_sin, cos, sin, mask, past, block_len)
             new_kv.append(kv)
         if cache is not None:
             cache.kv = new_kv

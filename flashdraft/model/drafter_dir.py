@@ -18,8 +18,16 @@ from transformers import PretrainedConfig, Qwen3Config
 
 from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.dflash2 import DFlash2DraftModel
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.model.spec import DFlashSpec, build_target_layer_ids, layer_kinds
+from flashdraft.model.spec import (
+    ARCHITECTURES,
+    DEFAULT_SLIDING_WINDOW,
+    DFLASH2_DEFAULTS,
+    DFlashSpec,
+    build_target_layer_ids,
+    layer_kinds,
+)
 from flashdraft.outputs import check_output_dir
 
 CONFIG_NAME = "config.json"
@@ -50,15 +58,24 @@ def make_drafter_config(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     intermediate_size: int | None = None,
+    arch: str = "dflash",
+    dflash2: dict[str, int] | None = None,
 ) -> Qwen3Config:
-    """A new drafter config for `target` (its text config), with the paper's defaults."""
+    """A new drafter config for `target` (its text config), with the paper's defaults. Sliding layers get
+    `sliding_window` (default 2048); `arch` 'dflash2' adds DFlash2's fields (`dflash2` overrides defaults)."""
+    if arch not in ARCHITECTURES:
+        raise FlashdraftError(f"drafter config: arch {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     n_target = int(target.num_hidden_layers)
     if target_layer_ids is None:
         target_layer_ids = build_target_layer_ids(n_target, num_layers)
     heads = int(target.num_attention_heads)
     head_dim = getattr(target, "head_dim", None) or target.hidden_size // heads
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise FlashdraftError(
+            f"drafter config: {len(layer_types)} layer types for {num_layers} layers ({layer_types})"
+        )
     if layer_types is not None and "sliding_attention" in layer_types and sliding_window is None:
-        raise FlashdraftError("drafter config: sliding_attention layers need a sliding_window")
+        sliding_window = DEFAULT_SLIDING_WINDOW
     config = Qwen3Config(
         hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size,
@@ -80,15 +97,31 @@ def make_drafter_config(
         bos_token_id=getattr(target, "bos_token_id", None),
         eos_token_id=getattr(target, "eos_token_id", None),
     )
-    config.architectures = ["DFlashDraftModel"]
-    config.auto_map = {"AutoModel": "dflash.DFlashDraftModel"}
+    config.architectures = [ARCHITECTURES[arch]]
+    config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURES[arch]}"}
     config.block_size = block_size
     config.num_target_layers = n_target
     config.dflash_config = {"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)}
+    if arch == "dflash2":
+        config.dflash_config |= DFLASH2_DEFAULTS | (dflash2 or {})
+        # A tiny vocabulary (tests) cannot offer the default 16 candidates.
+        config.dflash_config["selector_top_k"] = min(
+            config.dflash_config["selector_top_k"], target.vocab_size
+        )
     config.dtype = "bfloat16"
     DFlashSpec.from_config(config)  # the same checks a loader applies
     layer_kinds(config)
     return config
+
+
+def new_drafter(config: PretrainedConfig) -> DFlashDraftModel:
+    """The model class the config's `architectures` names (DFlash or DFlash2)."""
+    spec = DFlashSpec.from_config(config)
+    return DFlash2DraftModel(config) if spec.arch == "dflash2" else DFlashDraftModel(config)
+
+
+# Released DFlash2 checkpoints name the selector's codebooks without ".weight" (z-lab maps them on load).
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 def check_against_target(config: PretrainedConfig, target: PretrainedConfig, source: str) -> None:
@@ -215,8 +248,9 @@ def load_drafter(
     except (SafetensorError, OSError) as exc:
         raise FlashdraftError(f"{weights}: cannot read ({exc})") from None
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    state = {f"{k}.weight" if k in _CODEBOOKS else k: v for k, v in state.items()}
     with torch.device("meta"):
-        model = DFlashDraftModel(config)
+        model = new_drafter(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -354,6 +388,7 @@ def init_drafter(
     mask_token_id: int | None = None,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
+    arch: str = "dflash",
     seed: int = 0,
     force: bool = False,
 ) -> Path:
@@ -372,7 +407,8 @@ def init_drafter(
         target_layer_ids=target_layer_ids,
         layer_types=layer_types,
         sliding_window=sliding_window,
+        arch=arch,
     )
-    model = DFlashDraftModel(config)
+    model = new_drafter(config)
     model.init_weights(torch.Generator().manual_seed(seed))
     return save_drafter(model, out, overwrite="any" if force else "never", flag="--out")

@@ -1,7 +1,8 @@
 """`flashdraft export DRAFTER --to zlab|vllm|sglang --out DIR`: a drafter directory in the layout an
 engine loads, with the command that serves it (docs/export-and-eval.md).
 
-- zlab, sglang: the drafter directory as it is (z-lab's format; SGLang reads the same `config.json`).
+- zlab, sglang: the drafter directory as it is (z-lab's format; SGLang reads the same `config.json`);
+  DFlash2 drafters are checked with z-lab's DFlash2DraftModel.
 - vllm: the `speculators` layout (config with `speculators_model_type: "dflash"`,
   `aux_hidden_state_layer_ids` = target layer ids + 1), the same tensors.
 
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, check_against_target, read_config
-from flashdraft.model.spec import DFlashSpec, layer_kinds
+from flashdraft.model.spec import ARCHITECTURES, DFlashSpec, layer_kinds
 from flashdraft.outputs import check_output_dir
 
 ENGINES = ("zlab", "vllm", "sglang")
@@ -43,6 +44,11 @@ def refusals(config, spec: DFlashSpec, engine: str, *, allow_sliding_window: boo
     causal_full = [i for i, k in enumerate(kinds) if k.window is None and k.causal]
     reasons = []
     if engine == "vllm":
+        if spec.arch == "dflash2":
+            reasons.append(
+                "DFlash2 drafters (architectures DFlash2DraftModel): vLLM's DFlash model has no convolutions "
+                "or candidate selector and would draft with a different model; export --to zlab or sglang"
+            )
         if spec.output_multiplier != 1.0:
             reasons.append(
                 f"'output_multiplier'={spec.output_multiplier}: vLLM's DFlash model does not read it and "
@@ -147,9 +153,14 @@ def _verify_zlab_layout(directory: Path, source_state: dict[str, torch.Tensor]) 
     if set(state) != set(source_state) or any(not torch.equal(state[k], source_state[k]) for k in state):
         raise FlashdraftError(f"export check failed: the tensors in {directory} differ from the drafter's")
     if importlib.util.find_spec("dflash") is not None:
-        from dflash.model import DFlashDraftModel as ZlabDrafter
+        import dflash.model
 
-        theirs = ZlabDrafter.from_pretrained(directory)
+        zlab_class = getattr(dflash.model, ARCHITECTURES[loaded.spec.arch], None)
+        if zlab_class is None:
+            raise FlashdraftError(
+                f"export check failed: the installed z-lab package has no {ARCHITECTURES[loaded.spec.arch]}"
+            )
+        theirs = zlab_class.from_pretrained(directory)
         if list(theirs.target_layer_ids) != list(loaded.spec.target_layer_ids) or (
             theirs.mask_token_id != loaded.spec.mask_token_id or theirs.block_size != loaded.spec.block_size
         ):
@@ -190,8 +201,9 @@ def serve_command(engine: str, out: Path, spec: DFlashSpec, target: str | None, 
             f"--speculative-draft-model-path {where} --speculative-num-draft-tokens {spec.block_size}"
         )
         return command + (" --mamba-scheduler-strategy extra_buffer" if hybrid else "")
+    name = ARCHITECTURES[spec.arch]
     return (
-        f"python -c \"from dflash.model import DFlashDraftModel; DFlashDraftModel.from_pretrained('{out}')\""
+        f"python -c \"from dflash.model import {name}; {name}.from_pretrained('{out}')\""
         "  # then dflash_generate(drafter, target, ids, ...)"
     )
 

@@ -14,10 +14,31 @@ from transformers import PretrainedConfig
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.attention import LayerKind
 
-SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
-# Fields of newer drafters that change the math; we implement output_multiplier, and refuse the rest
-# rather than silently computing something else (DFlash2, softcapping, scaled input embeddings).
-UNSUPPORTED_FIELDS = ("final_logit_softcapping", "conv_kernel_size", "selector_rank", "input_embedding_scale")
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES.values())
+# Fields of newer drafters that change the math; we implement output_multiplier and DFlash2's, and refuse
+# the rest rather than silently computing something else (softcapping, scaled input embeddings).
+UNSUPPORTED_FIELDS = ("final_logit_softcapping", "input_embedding_scale")
+# DFlash2's dflash_config fields (docs/drafters.md §3) and the defaults `flashdraft init --arch dflash2` writes.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+LAYER_TYPE_NAMES = {"S": "sliding_attention", "F": "full_attention"}
+DEFAULT_SLIDING_WINDOW = 2048
+
+
+def parse_layer_types(items: list[str], where: str) -> list[str]:
+    """HF `layer_types` from S/F shorthands or the full names; `where` names the flag or config field."""
+    types = []
+    for i, item in enumerate(items):
+        name = LAYER_TYPE_NAMES.get(item.strip().upper(), item.strip())
+        if name not in LAYER_TYPE_NAMES.values():
+            raise FlashdraftError(
+                f"{where}: entry {i} is {item!r}; expected S (sliding_attention) or F (full_attention)"
+            )
+        types.append(name)
+    if not types:
+        raise FlashdraftError(f"{where}: needs one entry per drafter layer")
+    return types
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -47,14 +68,43 @@ class DFlashSpec:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
     output_multiplier: float = 1.0
+    arch: str = "dflash"  # a key of ARCHITECTURES
+    dflash2: dict[str, int] | None = None  # DFLASH2_FIELDS, for arch dflash2
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, source: str = "drafter config") -> DFlashSpec:
         archs = getattr(config, "architectures", None) or []
         if archs and not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise FlashdraftError(
-                f"{source}: architectures={archs} is not a DFlash v1 drafter ({SUPPORTED_ARCHITECTURES[0]})"
+                f"{source}: architectures={archs} is not a DFlash drafter ({' or '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        arch = "dflash2" if ARCHITECTURES["dflash2"] in archs else "dflash"
+        dflash2 = None
+        if arch == "dflash2":
+            dflash2 = {}
+            for name in DFLASH2_FIELDS:
+                value = draft_value(config, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise FlashdraftError(
+                        f"{source}: DFlash2 drafter needs 'dflash_config.{name}' as a positive integer, got {value!r}"
+                    )
+                dflash2[name] = value
+            if config.hidden_size % dflash2["conv_group_size"]:
+                raise FlashdraftError(
+                    f"{source}: 'dflash_config.conv_group_size'={dflash2['conv_group_size']} does not divide "
+                    f"hidden_size={config.hidden_size}"
+                )
+            vocab = getattr(config, "vocab_size", None)
+            if vocab is not None and dflash2["selector_top_k"] > vocab:
+                raise FlashdraftError(
+                    f"{source}: 'dflash_config.selector_top_k'={dflash2['selector_top_k']} exceeds vocab_size={vocab}"
+                )
+        else:
+            for name in DFLASH2_FIELDS:
+                if draft_value(config, name) is not None:
+                    raise FlashdraftError(
+                        f"{source}: field '{name}' belongs to DFlash2 drafters, but architectures={archs or '[]'}"
+                    )
         for name in UNSUPPORTED_FIELDS:
             value = draft_value(config, name)
             if value not in (None, 1, 1.0, 0, 0.0):
@@ -97,7 +147,15 @@ class DFlashSpec:
         if not isinstance(block_size, int) or block_size < 2:
             raise FlashdraftError(f"{source}: 'block_size' must be an integer >= 2, got {block_size!r}")
         multiplier = draft_value(config, "output_multiplier", 1.0)
-        return cls(block_size, mask_token_id, tuple(layer_ids), num_target_layers, float(multiplier or 1.0))
+        return cls(
+            block_size,
+            mask_token_id,
+            tuple(layer_ids),
+            num_target_layers,
+            float(multiplier or 1.0),
+            arch,
+            dflash2,
+        )
 
 
 def layer_kinds(config: PretrainedConfig, source: str = "drafter config") -> list[LayerKind]:

@@ -1,85 +1,207 @@
-"""Weighted cross-entropy through the frozen LM head without a [tokens x vocab] blow-up.
+"""The drafter's loss through the frozen LM head without a [tokens x vocab] blow-up (docs/drafters.md §1).
+
+Three per-position losses (`train.loss`):
+  * ce: cross-entropy to the data token (the paper's);
+  * kl: KL(p || q) to the target's own distribution p at the position (self-distillation);
+  * lk: the LK loss, λ·KL(p || q) + (1 - λ)·TV(p, q) with λ = exp(-η·α) and α = Σ min(p, q) the
+    position's expected acceptance (held constant in the gradient).
+q is the drafter's distribution. Position weights (`train.position_weight`) multiply the per-row losses:
+the paper's exp(-(k-1)/γ) decay, or D-PACE (`dpace_weights`).
 
 Only rows with non-zero weight reach the head. Rows are processed in fixed-size chunks; each chunk's
-logits live only inside the chunk, and the gradient w.r.t. the hidden rows is computed in the same
-pass (the loss is a scalar, so the backward is a rescale). The head's weight is frozen: no weight
-gradient is ever formed. With a 152k vocabulary and 8k block positions, full fp32 logits would be
-~5 GB; a 1024-row chunk holds ~0.6 GB.
+logits (and the target's logits, for kl/lk) live only inside the chunk, and the gradient of each row's
+loss w.r.t. its hidden row is computed in the same pass. Row weights come after the pass: the gradient
+is linear in them, so D-PACE's weights, which need every row's probability first, cost no second pass.
+With a 152k vocabulary and 8k block positions, full fp32 logits would be ~5 GB; a 1024-row chunk holds
+~0.6 GB (twice that for kl/lk).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+LOSSES = ("ce", "kl", "lk")
+POSITION_WEIGHTS = ("decay", "dpace")
 
-def chunk_loss_and_grad(
-    hidden: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, multiplier: float
+
+@dataclass
+class HeadRows:
+    """What the head pass yields per row, before row weights are applied."""
+
+    loss: Tensor  # [n] fp32 per-row loss
+    label_prob: Tensor  # [n] fp32 q(label): D-PACE's confidence
+    correct: Tensor  # [n] bool argmax == label
+    grad: Tensor  # [n, H] d loss_row / d hidden_row (hidden's dtype)
+    topk_values: Tensor  # [n, k] fp32 the k largest logits (k = 0 without a selector)
+    topk_ids: Tensor  # [n, k] their token ids
+
+
+def chunk_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    teacher: Tensor | None,
+    multiplier: float,
+    loss: str,
+    lk_eta: float,
+    top_k: int,
 ):
-    """Σ w·CE, argmax correctness and d(Σ w·CE)/d hidden for one chunk (compiled on GPU)."""
+    """Per-row loss, q(label), argmax correctness, unit-weight gradient and top-k of one chunk
+    (compiled on GPU). `teacher` holds the target's final hidden rows that predict the same tokens."""
     logits = F.linear(hidden, weight).float()
     if multiplier != 1.0:
         logits = logits * multiplier
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(-1, labels[:, None])[:, 0]
-    loss_sum = ((lse - target_logit) * row_weights).sum()
+    log_q = torch.log_softmax(logits, dim=-1)
+    q = log_q.exp()
+    label_log_q = log_q.gather(-1, labels[:, None])[:, 0]
+    if loss == "ce":
+        row_loss = -label_log_q
+        grad_logits = q - F.one_hot(labels, q.shape[-1]).to(q.dtype)
+    else:
+        log_p = torch.log_softmax(F.linear(teacher, weight).float(), dim=-1)
+        p = log_p.exp()
+        kl = (p * (log_p - log_q)).sum(-1)
+        grad_kl = q - p
+        if loss == "kl":
+            row_loss, grad_logits = kl, grad_kl
+        else:
+            # TV = 1 - Σ min(p, q); where q < p the min is q, so dTV/dz_j = q_j (Σ_{q<p} q - [q_j < p_j]).
+            below = (q < p).to(q.dtype)
+            acceptance = torch.minimum(p, q).sum(-1)
+            lam = torch.exp(-lk_eta * acceptance)
+            grad_tv = q * ((below * q).sum(-1, keepdim=True) - below)
+            row_loss = lam * kl + (1 - lam) * (1 - acceptance)
+            grad_logits = lam[:, None] * grad_kl + (1 - lam)[:, None] * grad_tv
+    grad = (grad_logits * multiplier).to(hidden.dtype) @ weight
     correct = logits.argmax(dim=-1) == labels
-    probs = torch.exp(logits - lse[:, None])
-    probs = probs - F.one_hot(labels, probs.shape[-1]).to(probs.dtype)
-    grad_logits = (probs * (row_weights * multiplier)[:, None]).to(hidden.dtype)
-    return loss_sum, correct, grad_logits @ weight
+    if top_k > 0:
+        topk_values, topk_ids = logits.topk(top_k, dim=-1, sorted=False)
+    else:
+        topk_values, topk_ids = logits.new_zeros(logits.shape[0], 0), labels.new_zeros(labels.shape[0], 0)
+    return row_loss, label_log_q.exp(), correct, grad, topk_values, topk_ids
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, chunk, multiplier, chunk_fn):
-        rows = hidden.shape[0]
-        total = hidden.new_zeros((), dtype=torch.float32)
-        correct = torch.empty(rows, dtype=torch.bool, device=hidden.device)
-        grad = torch.empty_like(hidden)
-        for start in range(0, rows, chunk):
-            end = min(start + chunk, rows)
-            loss_sum, ok, g = chunk_fn(
-                hidden[start:end], weight, labels[start:end], row_weights[start:end], multiplier
-            )
-            total = total + loss_sum
-            correct[start:end] = ok
-            grad[start:end] = g
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+class _WeightedRowSum(torch.autograd.Function):
+    """Σ w·loss_row, whose gradient w.r.t. hidden row r is w_r · grad_r (both precomputed)."""
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
+    def forward(ctx, hidden, row_weights, row_loss, row_grad):
+        ctx.save_for_backward(row_weights, row_grad)
+        return (row_loss * row_weights).sum()
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        row_weights, row_grad = ctx.saved_tensors
+        scale = (row_weights * grad_total).to(row_grad.dtype)
+        return row_grad * scale[:, None], None, None, None
+
+
+def weighted_sum(hidden: Tensor, rows: HeadRows, row_weights: Tensor) -> Tensor:
+    """Σ w·loss over the rows (fp32 scalar), differentiable w.r.t. `hidden` (the rows `rows` came from)."""
+    return _WeightedRowSum.apply(hidden, row_weights.detach().float(), rows.loss, rows.grad)
+
+
+def dpace_weights(confidence: Tensor, valid: Tensor, alpha: float) -> Tensor:
+    """D-PACE position weights [blocks, B] (docs/drafters.md §1), detached.
+
+    With s_k = (1 - alpha)·q_k(label) + alpha the smoothed chance that position k is accepted, a
+    position's weight is the expected number of accepted positions it unlocks: Σ_{j >= k} Π_{i <= j} s_i.
+    Unsupervised positions count as certain in the products and add nothing to the sums."""
+    with torch.no_grad():
+        smooth = torch.where(valid, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(confidence))
+        prefix = torch.cumprod(smooth, dim=-1) * valid
+        suffix = prefix.flip(-1).cumsum(-1).flip(-1)
+        return suffix * valid
+
+
+def selector_weight(step: int, alpha: float, warmup_steps: int, ramp_steps: int) -> float:
+    """The DFlash2 selector loss's factor at optimizer step `step` (docs/drafters.md §3): 0 for the first
+    `warmup_steps`, then rising linearly to `alpha` over `ramp_steps` (at once when 0)."""
+    if alpha == 0.0 or step < warmup_steps:
+        return 0.0
+    if ramp_steps <= 0:
+        return alpha
+    return alpha * min(1.0, (step - warmup_steps + 1) / ramp_steps)
 
 
 class WeightedHeadLoss:
-    """Σ w·CE over the selected rows through a frozen head. `compile=True` (on GPU) compiles the chunk
+    """Per-row losses through a frozen head, in chunks. `compile=True` (on GPU) compiles the chunk
     function once, fullgraph: the loss owns its kernels, as the drafter's layers are compiled by
-    `distributed/parallelize.py` and the optimizer's update by `train/optim.py`."""
+    `distributed/parallelize.py` and the optimizer's update by `train/optim.py`.
 
-    def __init__(self, chunk: int = 1024, multiplier: float = 1.0, *, compile: bool = False):
+    `loss` is 'ce', 'kl' or 'lk' (kl and lk need the target's final hidden rows, `teacher`); `top_k` > 0
+    also returns each row's top-k logits (the DFlash2 selector's candidates)."""
+
+    def __init__(
+        self,
+        chunk: int = 1024,
+        multiplier: float = 1.0,
+        *,
+        loss: str = "ce",
+        lk_eta: float = 3.0,
+        top_k: int = 0,
+        compile: bool = False,
+    ):
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r}; expected one of {LOSSES}")
         self.chunk = chunk
         self.multiplier = multiplier
-        self.chunk_fn: Callable = (
-            torch.compile(chunk_loss_and_grad, fullgraph=True) if compile else chunk_loss_and_grad
-        )
+        self.loss = loss
+        self.lk_eta = lk_eta
+        self.top_k = top_k
+        self.chunk_fn: Callable = torch.compile(chunk_rows, fullgraph=True) if compile else chunk_rows
 
-    def __call__(
-        self, hidden: Tensor, head_weight: Tensor, labels: Tensor, row_weights: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """hidden [T, H] rows with non-zero weight; returns (Σ w·CE as fp32 scalar, correct [T] bool)."""
-        rows = hidden.shape[0]
-        if rows == 0:
-            return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    @property
+    def needs_teacher(self) -> bool:
+        return self.loss != "ce"
+
+    @torch.no_grad()
+    def rows(
+        self, hidden: Tensor, head_weight: Tensor, labels: Tensor, teacher: Tensor | None = None
+    ) -> HeadRows:
+        """hidden [n, H] rows with non-zero weight; teacher [n, H] for kl/lk."""
+        if self.needs_teacher and teacher is None:
+            raise ValueError(f"loss={self.loss!r} needs the target's final hidden rows")
+        n = hidden.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        grad = torch.empty_like(hidden)
+        topk_values = torch.empty(n, self.top_k, dtype=torch.float32, device=hidden.device)
+        topk_ids = torch.empty(n, self.top_k, dtype=torch.long, device=hidden.device)
         # No padding to whole chunks (it cost ~6% of the head's FLOPs): full chunks run the graph compiled
         # for `chunk` rows, and the remainder one dynamic-shape graph compiled once.
-        total, correct = _FusedLinearCrossEntropy.apply(
-            hidden, head_weight, labels, row_weights.float(), self.chunk, self.multiplier, self.chunk_fn
-        )
-        return total, correct[:rows]
+        for start in range(0, n, self.chunk):
+            end = min(start + self.chunk, n)
+            out = self.chunk_fn(
+                hidden[start:end].detach(),
+                head_weight,
+                labels[start:end],
+                None if teacher is None else teacher[start:end].to(head_weight.dtype),
+                self.multiplier,
+                self.loss,
+                self.lk_eta,
+                self.top_k,
+            )
+            for buffer, value in zip((loss, prob, correct, grad, topk_values, topk_ids), out, strict=True):
+                buffer[start:end] = value
+        return HeadRows(loss, prob, correct, grad, topk_values, topk_ids)
+
+    def __call__(
+        self,
+        hidden: Tensor,
+        head_weight: Tensor,
+        labels: Tensor,
+        row_weights: Tensor,
+        teacher: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """hidden [T, H] rows with non-zero weight; returns (Σ w·loss as fp32 scalar, correct [T] bool)."""
+        if hidden.shape[0] == 0:
+            return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+        rows = self.rows(hidden, head_weight, labels, teacher)
+        return weighted_sum(hidden, rows, row_weights), rows.correct

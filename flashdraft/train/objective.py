@@ -1,5 +1,6 @@
 """The DFlash objective bound to a drafter and its target: one forward on a token batch, target features ->
-drafter -> weighted head loss (the pieces are in train/blocks.py).
+drafter -> weighted head loss (the pieces are in train/blocks.py; the losses and position weights in
+train/loss.py, docs/drafters.md §1; the DFlash2 selector term in docs/drafters.md §3).
 
 Shared by the trainer, the held-out evaluation and the benchmark, so all three measure the same thing.
 """
@@ -23,13 +24,15 @@ from flashdraft.train.blocks import (
     flex_block_masks,
     sample_anchors,
 )
-from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.loss import POSITION_WEIGHTS, WeightedHeadLoss, dpace_weights, weighted_sum
 
 
 @dataclass
 class StepOutput:
-    loss_sum: Tensor  # Σ w·CE (fp32 scalar, differentiable)
-    weight_sum: Tensor  # Σ w (a device scalar: reading it is the caller's choice, not a forced sync)
+    loss_sum: Tensor  # Σ w·loss (+ the selector term; fp32 scalar, differentiable)
+    weight_sum: (
+        Tensor  # the normalizer, Objective.normalizer (a device scalar: reading it is the caller's choice)
+    )
     stats: dict[str, Tensor]  # acceptance sums (see objective.acceptance_stats)
 
 
@@ -47,9 +50,13 @@ class Objective:
         attention: str = "sdpa",
         create_block_mask: Callable | None = None,
         autocast_dtype: torch.dtype | None = None,
+        position_weight: str = "decay",
+        dpace_alpha: float = 0.5,
     ):
         if attention == "flex" and create_block_mask is None:
             raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
+        if position_weight not in POSITION_WEIGHTS:
+            raise ValueError(f"position_weight={position_weight!r}; expected one of {POSITION_WEIGHTS}")
         self.drafter = drafter
         self.target = target
         self.num_anchors = num_anchors
@@ -58,6 +65,17 @@ class Objective:
         self.attention = attention
         self.create_block_mask = create_block_mask
         self.autocast_dtype = autocast_dtype
+        self.position_weight = position_weight
+        self.dpace_alpha = dpace_alpha
+        self.selector_weight = 0.0  # DFlash2: the selector term's factor, set per step by the trainer
+        self.num_features = len(drafter.spec.target_layer_ids)
+        selector = getattr(drafter, "candidate_selector", None)
+        if selector is not None:
+            loss.top_k = selector.top_k  # the head pass hands the selector its candidates
+        if loss.needs_teacher:
+            # kl/lk need the target's final hidden state (after its final norm): capture it as one more
+            # feature column block after the drafter's own features.
+            target.set_layer_ids([*drafter.spec.target_layer_ids, target.num_layers - 1])
 
     def blocks(self, batch: TokenBatch) -> BlockBatch:
         """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
@@ -76,6 +94,14 @@ class Objective:
             self.gamma,
         )
 
+    def normalizer(self, weights: Tensor) -> Tensor:
+        """The loss's denominator for block weights [b, N*B], known before the forward (so the trainer
+        normalises a step without a device sync): Σ decay weights, or for D-PACE, whose weights come
+        from the drafter's own probabilities, the number of supervised positions (docs/drafters.md §1)."""
+        if self.position_weight == "dpace":
+            return (weights > 0).sum(dtype=torch.float32)
+        return weights.sum()
+
     def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
         kinds = self.drafter.layer_kinds()
         if self.attention == "flex":
@@ -90,6 +116,10 @@ class Objective:
         b, s = batch.input_ids.shape
         if features is None:
             features = self.target.features(batch.input_ids)
+        teacher_features = None
+        if self.loss.needs_teacher:
+            width = self.num_features * self.target.hidden_size
+            features, teacher_features = features[..., :width], features[..., width:]
         noise = self.target.embed(blocks.block_ids)
         ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
         masks = self.masks(blocks, s)
@@ -100,15 +130,39 @@ class Objective:
         flat_weights = blocks.weights.flatten()
         rows = flat_weights.nonzero().flatten()
         head = self.target.lm_head_weight
-        loss_sum, correct_rows = self.loss(
-            hidden.flatten(0, 1).index_select(0, rows).to(head.dtype),
-            head,
-            blocks.labels.flatten()[rows],
-            flat_weights[rows],
-        )
+        hidden_rows = hidden.flatten(0, 1).index_select(0, rows).to(head.dtype)
+        per_row = blocks.weights.shape[1]
+        row_batch, row_pos = rows // per_row, blocks.block_positions.flatten()[rows]
+        teacher = None
+        if teacher_features is not None:
+            # The target's logits for the token at position p come from its hidden state at p - 1.
+            teacher = teacher_features[row_batch, row_pos - 1]
+        head_rows = self.loss.rows(hidden_rows, head, blocks.labels.flatten()[rows], teacher)
+        if self.position_weight == "dpace":
+            confidence = torch.zeros_like(flat_weights).index_copy_(0, rows, head_rows.label_prob)
+            block = blocks.block_size
+            valid = (blocks.weights > 0).view(-1, block)
+            weights = dpace_weights(confidence.view(-1, block), valid, self.dpace_alpha)
+            row_weights = weights.flatten()[rows]
+        else:
+            row_weights = flat_weights[rows]
+        loss_sum = weighted_sum(hidden_rows, head_rows, row_weights)
+        selector = getattr(self.drafter, "candidate_selector", None)
+        if selector is not None and self.selector_weight > 0:
+            predecessors = batch.input_ids[row_batch, row_pos - 1]
+            selector_sum = selector.training_loss(
+                hidden_rows,
+                head_rows.topk_values,
+                head_rows.topk_ids,
+                predecessors,
+                blocks.labels.flatten()[rows],
+                row_weights,
+            )
+            loss_sum = loss_sum + self.selector_weight * selector_sum
+        correct_rows = head_rows.correct
         correct = torch.zeros_like(flat_weights, dtype=torch.bool).index_copy_(0, rows, correct_rows)
         return StepOutput(
             loss_sum=loss_sum,
-            weight_sum=flat_weights.sum(),
+            weight_sum=self.normalizer(blocks.weights),
             stats=acceptance_stats(correct.view_as(blocks.weights), blocks.weights, blocks.block_size),
         )

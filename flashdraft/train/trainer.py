@@ -52,17 +52,18 @@ from flashdraft.model.drafter_dir import (
     check_against_target,
     load_drafter,
     make_drafter_config,
+    new_drafter,
     read_config,
     resolve_mask_token_id,
     save_drafter,
 )
-from flashdraft.model.spec import DFlashSpec, default_gamma
+from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
 from flashdraft.train.flops import peak_tflops, step_flops
-from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.loss import WeightedHeadLoss, selector_weight
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
@@ -99,15 +100,24 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
         drafter_config = read_config(m.drafter)
         check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
         return load_drafter(m.drafter, target=target_config)
+    layer_types = None if m.layer_types is None else parse_layer_types(m.layer_types, "model.layer_types")
+    num_layers = m.num_layers if m.num_layers is not None else len(layer_types or []) or DEFAULT_NUM_LAYERS
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise FlashdraftError(
+            f"config: model.layer_types has {len(layer_types)} entries for model.num_layers={num_layers}"
+        )
     mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
     drafter_config = make_drafter_config(
         target_config,
-        num_layers=m.num_layers if m.num_layers is not None else DEFAULT_NUM_LAYERS,
+        num_layers=num_layers,
         block_size=m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE,
         mask_token_id=mask,
         target_layer_ids=m.target_layer_ids,
+        layer_types=layer_types,
+        sliding_window=m.sliding_window,
+        arch=m.arch or "dflash",
     )
-    drafter = DFlashDraftModel(drafter_config)
+    drafter = new_drafter(drafter_config)
     drafter.init_weights(torch.Generator().manual_seed(config.train.seed))
     return drafter
 
@@ -229,7 +239,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         master_weights=t.master_weights,
     )
     loss_fn = WeightedHeadLoss(
-        chunk=t.loss_chunk, multiplier=spec.output_multiplier, compile=placement.compiled
+        chunk=t.loss_chunk,
+        multiplier=spec.output_multiplier,
+        loss=t.loss,
+        lk_eta=t.lk_eta,
+        compile=placement.compiled,
     )
     objective = Objective(
         drafter,
@@ -240,6 +254,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         attention=placement.attention,
         create_block_mask=placement.create_block_mask,
         autocast_dtype=placement.autocast_dtype,
+        position_weight=t.position_weight,
+        dpace_alpha=t.dpace_alpha,
     )
 
     # ------------------------------------------------------------------ optimizer and schedule
@@ -323,7 +339,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                         target.vocab_size,
                     ).total,
                 )
-                micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum()), work))
+                micro.append(
+                    (batch.to(device), blocks.to(device), float(objective.normalizer(blocks.weights)), work)
+                )
         return micro, sampler.state_dict()
 
     upcoming = draw_step() if step < total_steps else None
@@ -335,6 +353,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w, _ in micro)], device, topo)
         losses, stats = [], []
+        objective.selector_weight = selector_weight(
+            step, t.selector_alpha, t.selector_warmup_steps, t.selector_ramp_steps
+        )
         for i, (batch, blocks, _, _) in enumerate(micro):
             out = objective(batch, blocks)
             (out.loss_sum / total_weight).backward()
