@@ -44,15 +44,19 @@ class Objective:
         num_anchors: int,
         gamma: float,
         loss: WeightedHeadLoss,
+        anchors: str = "per_row",
         attention: str = "sdpa",
         create_block_mask: Callable | None = None,
         autocast_dtype: torch.dtype | None = None,
     ):
         if attention == "flex" and create_block_mask is None:
             raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
+        if anchors not in ("per_row", "budget"):
+            raise ValueError(f"anchors must be per_row or budget, got {anchors!r}")
         self.drafter = drafter
         self.target = target
         self.num_anchors = num_anchors
+        self.anchor_budget = anchors == "budget"
         self.gamma = gamma
         self.loss = loss
         self.attention = attention
@@ -63,7 +67,13 @@ class Objective:
         """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
         spec = self.drafter.spec
         anchors, keep = sample_anchors(
-            batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds
+            batch.loss_mask,
+            batch.lengths,
+            self.num_anchors,
+            spec.block_size,
+            batch.seeds,
+            batch.doc_lengths,
+            budget=self.anchor_budget,
         )
         return build_blocks(
             batch.input_ids,
@@ -74,6 +84,7 @@ class Objective:
             spec.block_size,
             spec.mask_token_id,
             self.gamma,
+            batch.position_ids,
         )
 
     def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
@@ -89,9 +100,13 @@ class Objective:
         blocks = self.blocks(batch) if blocks is None else blocks
         b, s = batch.input_ids.shape
         if features is None:
-            features = self.target.features(batch.input_ids)
+            # Packed rows: the position resets keep the target's samples apart (docs/packing.md).
+            features = self.target.features(batch.input_ids, position_ids=batch.position_ids)
         noise = self.target.embed(blocks.block_ids)
-        ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
+        if batch.position_ids is not None:
+            ctx_positions = batch.position_ids  # RoPE within each sample, as if it were alone
+        else:
+            ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
         masks = self.masks(blocks, s)
         with torch.autocast(
             noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
