@@ -13,7 +13,9 @@ from transformers import PretrainedConfig
 
 from flashdraft.data.tokens import EpochSampler
 
-OPEN_ROWS = 8  # rows a sample may go into; more fills rows a little better and packs a little slower
+# Rows a sample may go into. Lognormal lengths around 600 (800K samples, rows of 3072): 4 open rows fill
+# 96.1% of the tokens, 8 97.1%, 16 97.7%, each in 1-1.5 s on the helper CPU (docs/packing.md).
+OPEN_ROWS = 16
 
 
 def pack_rows(
@@ -56,15 +58,19 @@ class PackedEpochSampler(EpochSampler):
         self.capacity = capacity
         self._rows_epoch: int | None = None
         self._rows_cache: list[list[int]] = []
+        self._counts: dict[int, int] = {}  # rows per epoch, for the step count before training
 
     def rows(self, epoch: int) -> list[list[int]]:
         if self._rows_epoch != epoch:
             self._rows_cache = pack_rows(self._order(epoch).tolist(), self.lengths, self.capacity)
             self._rows_epoch = epoch
+            self._counts[epoch] = len(self._rows_cache)
         return self._rows_cache
 
     def items(self, epoch: int) -> int:
-        return len(self.rows(epoch))
+        if epoch not in self._counts:
+            self._counts[epoch] = len(pack_rows(self._order(epoch).tolist(), self.lengths, self.capacity))
+        return self._counts[epoch]
 
     def next_batch(self) -> tuple[int, list[list[int]]]:
         """(epoch, rows of sample indices); an epoch ends with a possibly smaller batch."""
