@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flashdraft.data.tokens import TokenBatch
 from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
 
 
@@ -168,6 +169,31 @@ def build_blocks(
         labels=torch.where(supervised, labels, 0).view(b, -1),
         weights=weights.view(b, -1),
         doc_starts=doc_starts,
+    )
+
+
+def blocks_for(
+    batch: TokenBatch,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    budget: bool = False,
+) -> BlockBatch:
+    """Anchors and blocks of a token batch (packed or not): what the objective trains on."""
+    anchors, keep = sample_anchors(
+        batch.loss_mask, batch.lengths, num_anchors, block_size, batch.seeds, batch.doc_lengths, budget
+    )
+    return build_blocks(
+        batch.input_ids,
+        batch.loss_mask,
+        batch.lengths,
+        anchors,
+        keep,
+        block_size,
+        mask_token_id,
+        gamma,
+        batch.position_ids,
     )
 
 

@@ -18,10 +18,9 @@ from flashdraft.model.target import TargetModel
 from flashdraft.train.blocks import (
     BlockBatch,
     acceptance_stats,
-    build_blocks,
+    blocks_for,
     dense_masks,
     flex_block_masks,
-    sample_anchors,
 )
 from flashdraft.train.loss import WeightedHeadLoss
 
@@ -66,25 +65,8 @@ class Objective:
     def blocks(self, batch: TokenBatch) -> BlockBatch:
         """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
         spec = self.drafter.spec
-        anchors, keep = sample_anchors(
-            batch.loss_mask,
-            batch.lengths,
-            self.num_anchors,
-            spec.block_size,
-            batch.seeds,
-            batch.doc_lengths,
-            budget=self.anchor_budget,
-        )
-        return build_blocks(
-            batch.input_ids,
-            batch.loss_mask,
-            batch.lengths,
-            anchors,
-            keep,
-            spec.block_size,
-            spec.mask_token_id,
-            self.gamma,
-            batch.position_ids,
+        return blocks_for(
+            batch, self.num_anchors, spec.block_size, spec.mask_token_id, self.gamma, self.anchor_budget
         )
 
     def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
