@@ -204,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-dir", default=None, help="a local Hugging Face target (default: a random --target)"
     )
+    p.add_argument(
+        "--mask-token-id", type=int, default=None, help="with --target-dir (default: its tokenizer's)"
+    )
     p.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b", help="random target shape (CUDA)")
     p.add_argument("--target-layers", type=int, default=None, help="fewer target layers (random target)")
     p.add_argument("--drafter-layers", type=int, default=5)
@@ -246,7 +249,9 @@ def main(argv: list[str]) -> int:
         [args.data], max_length=args.max_length, block_size=args.block_size, vocab_size=vocab
     )
     if args.target_dir:
-        mask_token_id = resolve_mask_token_id(args.target_dir, config, None, label="--target-dir")
+        mask_token_id = resolve_mask_token_id(
+            args.target_dir, config, args.mask_token_id, label="--mask-token-id"
+        )
     else:
         mask_token_id = MASK_TOKEN_IDS[args.target]
     drafter_config = make_drafter_config(

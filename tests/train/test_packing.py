@@ -279,3 +279,39 @@ def test_a_block_placed_at_a_samples_end_supervises_nothing_of_the_next_sample()
     assert (blocks.weights[0] > 0).tolist() == [False, True, False, False, False, True, True, True]
     assert blocks.block_positions.tolist() == [[4, 5, 6, 7, 0, 1, 2, 3]]
     assert blocks.doc_starts.tolist() == [[0, 6]] and blocks.context_lengths.tolist() == [[4, 0]]
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def test_bench_train_on_shards_times_real_steps_with_packing_on_and_off_on_the_cpu(qwen3_target, tmp_path):
+    from flashdraft.bench.train_bench import main as bench_train
+    from flashdraft.data.shards import write_shards
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(12, 60, size=40).tolist()
+    samples = [(rng.integers(0, 299, size=n), [0] * (n // 4) + [1] * (n - n // 4)) for n in lengths]
+    write_shards(tmp_path / "shards", samples, {"tokenizer_name": "test"})
+    out = tmp_path / "bench.json"
+    args = ["--data", str(tmp_path / "shards"), "--target-dir", qwen3_target, "--mask-token-id", "300"]
+    args += ["--device", "cpu", "--max-length", "128", "--block-size", "4", "--num-anchors", "8"]
+    args += ["--drafter-layers", "1", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    assert bench_train(args) == 0
+    report = json.loads(out.read_text())
+    off, on = report["results"]["packing_off"], report["results"]["packing_on"]
+    assert off["mean_samples_per_row"] == 1 and on["mean_samples_per_row"] > 2
+    for result in (off, on):
+        assert (
+            result["samples_per_s"] > 0 and result["tokens_per_s"] > 0 and result["useful_drafter_tflops"] > 0
+        )
+        assert (
+            0 < result["useful_flop_share"] <= 1 and result["mfu_useful"] is None
+        )  # no CPU peak to divide by
+    assert on["row_padding"] < off["row_padding"]
+    assert report["command"].startswith("flashdraft bench train --data")
+
+    waste = tmp_path / "waste.json"
+    assert bench_train([*args[:-1], str(waste), "--waste-only", "--pad-multiple", "1"]) == 0
+    counted = json.loads(waste.read_text())["results"]
+    assert counted["packing_off"]["samples"] == counted["packing_on"]["samples"] == 40  # one whole epoch
+    assert counted["packing_on"]["block_padding"] < counted["packing_off"]["block_padding"]
