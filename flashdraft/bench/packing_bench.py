@@ -242,18 +242,18 @@ def main(argv: list[str]) -> int:
     )
     target, config = build_target(args, device)
     vocab = int(config.vocab_size)
-    if args.make_lognormal and not Path(args.data).exists():
-        samples = lognormal_samples(args.make_lognormal, 600, 0.6, args.max_length, vocab - 512, args.seed)
-        write_shards(Path(args.data), samples, {"tokenizer_name": "synthetic (lognormal lengths)"})
-    data = load_token_dataset(
-        [args.data], max_length=args.max_length, block_size=args.block_size, vocab_size=vocab
-    )
     if args.target_dir:
         mask_token_id = resolve_mask_token_id(
             args.target_dir, config, args.mask_token_id, label="--mask-token-id"
         )
     else:
         mask_token_id = MASK_TOKEN_IDS[args.target]
+    if args.make_lognormal and not Path(args.data).exists():  # token ids below the mask token's
+        samples = lognormal_samples(args.make_lognormal, 600, 0.6, args.max_length, mask_token_id, args.seed)
+        write_shards(Path(args.data), samples, {"tokenizer_name": "synthetic (lognormal lengths)"})
+    data = load_token_dataset(
+        [args.data], max_length=args.max_length, block_size=args.block_size, vocab_size=vocab
+    )
     drafter_config = make_drafter_config(
         config,
         num_layers=args.drafter_layers,
