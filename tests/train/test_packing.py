@@ -214,6 +214,38 @@ def test_the_flex_block_mask_keeps_the_document_rule_of_the_dense_mask(qwen3_tar
         assert torch.equal(flex[key], dense[key]), key
 
 
+@pytest.mark.slow
+def test_compiled_flex_attention_gives_the_packed_loss_of_the_dense_mask(qwen3_target, samples_file):
+    """Flex attention on the CPU: forward only (no CPU backward in torch), compiled drafter layers (eager flex
+    would materialise dense scores and is refused), the BlockMask built eagerly (the compiled builder does not
+    compile on the CPU). About a minute of compilation."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    drafter, target = tiny_pair(qwen3_target, block_size=BLOCK)
+    packed, _ = packed_and_alone(samples_file, [[0, 1, 3], [2]])
+    dense = Objective(drafter, target, num_anchors=5, gamma=GAMMA, loss=WeightedHeadLoss())
+    blocks = dense.blocks(packed)
+    try:
+        with torch.no_grad():
+            expected = dense(packed, blocks)
+            for layer in drafter.layers:
+                layer.compile(fullgraph=True)
+            flex = Objective(
+                drafter,
+                target,
+                num_anchors=5,
+                gamma=GAMMA,
+                loss=WeightedHeadLoss(),
+                attention="flex",
+                create_block_mask=create_block_mask,
+            )
+            got = flex(packed, blocks)
+    finally:
+        torch._dynamo.reset()
+    assert got.weight_sum == expected.weight_sum
+    assert abs((got.loss_sum - expected.loss_sum).item()) / expected.weight_sum.item() < 1e-5
+
+
 # ---------------------------------------------------------------- the anchor budget
 
 
