@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -347,3 +348,15 @@ def test_bench_train_on_shards_times_real_steps_with_packing_on_and_off_on_the_c
     counted = json.loads(waste.read_text())["results"]
     assert counted["packing_off"]["samples"] == counted["packing_on"]["samples"] == 40  # one whole epoch
     assert counted["packing_on"]["block_padding"] < counted["packing_off"]["block_padding"]
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("train.anchors=per_batch", "train.anchors must be per_row or budget, got 'per_batch'"),
+        ("data.packing=sometimes", "data.packing"),
+    ],
+)
+def test_a_bad_packing_or_anchors_setting_is_one_line_naming_the_field(override, needle):
+    with pytest.raises(FlashdraftError, match=re.escape(needle)):
+        load_config(None, [override])
