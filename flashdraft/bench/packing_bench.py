@@ -236,7 +236,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    options = parser()
+    args = options.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.batch_size < 1 or args.packed_batch_size < 1:
+        options.error("--steps, --batch-size and --packed-batch-size must be at least 1, --warmup at least 0")
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )

@@ -5,6 +5,9 @@ blocks are [x_anchor, MASK x (B-1)] at positions anchor..anchor+B-1; block posit
 the token at anchor+k ("same-position" labels, docs/dflash.md §4); weight exp(-(k-1)/γ) times the loss mask;
 loss = Σ w·CE / Σ w. Attention follows the rule in flashdraft/model/attention.py.
 
+Packed rows (several samples a row, docs/packing.md) keep every rule per sample: anchors, labels, RoPE
+positions and the context a block sees stay inside the block's own sample.
+
 Each alignment trap of docs/dflash.md §4 (labels shifted by one, context visible at kv <= anchor, blocks seeing each
 other, padding blocks contributing) has a test in tests/train/test_objective.py.
 """
@@ -28,7 +31,7 @@ class BlockBatch:
     anchors: Tensor  # [b, N] anchor positions (0 for padding blocks)
     keep: Tensor  # [b, N] bool: real block (False: padding, sees nothing of the context, weight 0)
     block_ids: Tensor  # [b, N*B] [x_anchor, MASK, ...]; padding blocks are all MASK
-    block_positions: Tensor  # [b, N*B] absolute positions anchor + k
+    block_positions: Tensor  # [b, N*B] RoPE positions anchor + k (within the sample in a packed row)
     labels: Tensor  # [b, N*B] token at anchor + k (0 where not supervised)
     weights: Tensor  # [b, N*B] float32 exp(-(k-1)/γ) · loss_mask · keep · (k >= 1)
     # Packed rows (docs/packing.md): where each block's sample starts in the row. block_positions are then
@@ -100,8 +103,8 @@ def sample_anchors(
         start = 0
         for n in docs:
             last = start + n - block_size
-            window = loss_mask[row, start : max(last + 1, start)]
-            candidates.append(window.nonzero().flatten().cpu() + start)
+            with_room = loss_mask[row, start : max(last + 1, start)]
+            candidates.append(with_room.nonzero().flatten().cpu() + start)
             start += n
     counts = anchor_counts([c.numel() for c in candidates], num_anchors, b, budget)
     chosen_per_row: list[list[Tensor]] = [[] for _ in range(b)]
