@@ -81,6 +81,11 @@ class DataConfig:
     train: list[str] = doc([], "Training data: shard directories or JSONL files of {input_ids, loss_mask}.")
     eval: list[str] = doc([], "Held-out data in the same format, for simulated acceptance.")
     max_length: int = doc(3072, "Sequences are truncated to this many tokens (paper: 3072).")
+    packing: bool = doc(
+        False,
+        "Pack several samples into each row of up to max_length tokens (each sample still sees only itself); "
+        "train.batch_size then counts packed rows (docs/packing.md).",
+    )
 
 
 @dataclass
@@ -96,6 +101,11 @@ class TrainConfig:
     min_lr_ratio: float = doc(0.0, "Cosine schedule floor as a fraction of lr.")
     grad_clip: float = doc(1.0, "Global gradient-norm clip (paper: 1.0).")
     num_anchors: int = doc(512, "Anchors (blocks) sampled per sequence, fresh each epoch (paper: 512).")
+    anchors: str = doc(
+        "per_row",
+        "'per_row': up to num_anchors per sample; 'budget': num_anchors * batch_size per micro-batch, shared "
+        "in proportion to each sample's candidate positions (docs/packing.md).",
+    )
     gamma: float | None = doc(None, "Loss decay exp(-(k-1)/gamma); default 7/5/4 for block size 16/10/8.")
     loss: str = doc(
         "ce",
@@ -394,6 +404,10 @@ def validate(config: Config) -> None:
         (t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}"),
         (t.grad_accum >= 1, f"train.grad_accum must be at least 1, got {t.grad_accum}"),
         (t.num_anchors >= 1, f"train.num_anchors must be at least 1, got {t.num_anchors}"),
+        (
+            t.anchors in ("per_row", "budget"),
+            f"train.anchors must be per_row or budget, got {t.anchors!r}",
+        ),
         (t.lr > 0, f"train.lr must be positive, got {t.lr}"),
         (t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}"),
         (

@@ -6,6 +6,10 @@ target layer ids, same process and GPU as the target. Reports the drafter step's
 the work needs, train/flops.py), MFU against the 989 TFLOP/s datasheet peak and the 789 TFLOP/s measured
 matmul ceiling (docs/benchmarks.md), target ms, peak memory, and where the drafter step's time goes,
 timed with CUDA events around the real objective's own calls.
+
+`flashdraft bench train --data SHARDS [--packing on|off|both]` times real steps on a real shard set instead,
+with and without sequence packing (flashdraft/bench/packing_bench.py, docs/packing.md); it runs on the CPU
+with a small local target (`--target-dir`).
 """
 
 from __future__ import annotations
@@ -238,6 +242,10 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and "--data" in argv:  # real shards, packing on and off (docs/packing.md)
+        from flashdraft.bench.packing_bench import main as bench_data_steps
+
+        return bench_data_steps(argv)
     parser = argparse.ArgumentParser(prog="flashdraft bench train")
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="a, b (default both)")
     parser.add_argument("--steps", type=int, default=10)

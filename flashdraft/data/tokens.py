@@ -35,8 +35,16 @@ from flashdraft.errors import FlashdraftError
 class TokenBatch:
     input_ids: Tensor  # [b, S] right-padded
     loss_mask: Tensor  # [b, S] 1 on supervised (assistant) tokens
-    lengths: Tensor  # [b] real lengths
-    seeds: list[int]  # per-row anchor seeds, derived from (seed, epoch, sample index)
+    lengths: Tensor  # [b] real lengths (of a packed row: its samples' lengths added)
+    seeds: list[int]  # anchor seeds, one per sample (row by row), derived from (seed, epoch, sample index)
+    # Packed rows only (docs/packing.md): each token's position within its own sample, and the lengths of
+    # the samples each row holds, in order. None: one sample a row, positions 0..length-1.
+    position_ids: Tensor | None = None  # [b, S]
+    doc_lengths: list[list[int]] | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.doc_lengths is not None
 
     def to(self, device: torch.device) -> TokenBatch:
         """On CUDA through pinned memory, without waiting: the copy overlaps the GPU's current work."""
@@ -45,6 +53,8 @@ class TokenBatch:
             to_device(self.loss_mask, device),
             to_device(self.lengths, device),
             self.seeds,
+            None if self.position_ids is None else to_device(self.position_ids, device),
+            self.doc_lengths,
         )
 
 
@@ -79,6 +89,10 @@ class TokenDataset:
 
     def __getitem__(self, i: int) -> Sample:
         return Sample(*self.shards.sample(int(self.keep[i]), self.max_length))
+
+    def lengths(self) -> np.ndarray:
+        """Every usable sample's length after truncation, from the index files (no token is read)."""
+        return np.minimum(self.shards.column(1)[self.keep], self.max_length)
 
 
 def _sources(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> Iterator[Path | ShardSet]:
@@ -197,6 +211,8 @@ class EpochSampler:
     milliseconds: once per epoch, not per micro-batch); the order is torch.randperm seeded with
     seed + epoch, unchanged since the first version so old checkpoints resume on the same samples."""
 
+    packed = False  # batch items are samples (flashdraft/data/packing.py: packed rows)
+
     def __init__(self, num_samples: int, batch_size: int, seed: int):
         self.num_samples = num_samples
         self.batch_size = batch_size
@@ -216,6 +232,10 @@ class EpochSampler:
             self._order_cache, self._order_epoch = self._order(epoch), epoch
         return self._order_cache
 
+    def items(self, epoch: int) -> int:
+        """Batch items (samples here, packed rows in flashdraft/data/packing.py) in the epoch."""
+        return self.num_samples
+
     def next_batch(self) -> tuple[int, list[int]]:
         """(epoch, sample indices); an epoch ends with a possibly smaller batch."""
         if self.position >= self.num_samples:
@@ -231,9 +251,16 @@ class EpochSampler:
             "position": self.position,
             "num_samples": self.num_samples,
             "seed": self.seed,
+            "packed": self.packed,
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("packed", False) != self.packed:
+            raise FlashdraftError(
+                f"resume: the checkpoint was trained with data.packing={str(state.get('packed', False)).lower()} "
+                "(its data position counts packed rows or samples accordingly); resume with that setting or "
+                "start over in a new train.out_dir"
+            )
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
             raise FlashdraftError(
                 f"resume: the checkpoint was made with {state['num_samples']} samples and seed {state['seed']}, "
@@ -259,6 +286,38 @@ def collate(
         torch.from_numpy(mask),
         torch.tensor(lengths, dtype=torch.long),
         [anchor_seed(seed, epoch, i) for i in indices],
+    )
+
+
+def collate_packed(
+    dataset: TokenDataset, epoch: int, rows: list[list[int]], seed: int, pad_multiple: int = 1
+) -> TokenBatch:
+    """Packed rows (docs/packing.md): each row's samples back to back, right-padded; positions restart at
+    0 with every sample, the padding counts on from 0 as a sequence of its own. A sample gets the same
+    anchor seed as unpacked, so the same anchors."""
+    samples = [[dataset[i] for i in row] for row in rows]
+    doc_lengths = [[len(s.input_ids) for s in row] for row in samples]
+    lengths = [sum(row) for row in doc_lengths]
+    length = -(-max(lengths) // pad_multiple) * pad_multiple
+    ids = np.zeros((len(rows), length), dtype=np.int64)
+    mask = np.zeros((len(rows), length), dtype=np.int64)
+    positions = np.zeros((len(rows), length), dtype=np.int64)
+    for r, row in enumerate(samples):
+        start = 0
+        for s in row:
+            n = len(s.input_ids)
+            ids[r, start : start + n] = s.input_ids
+            mask[r, start : start + n] = s.loss_mask
+            positions[r, start : start + n] = np.arange(n)
+            start += n
+        positions[r, start:] = np.arange(length - start)
+    return TokenBatch(
+        torch.from_numpy(ids),
+        torch.from_numpy(mask),
+        torch.tensor(lengths, dtype=torch.long),
+        [anchor_seed(seed, epoch, i) for row in rows for i in row],
+        torch.from_numpy(positions),
+        doc_lengths,
     )
 
 

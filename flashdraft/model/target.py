@@ -167,10 +167,19 @@ class TargetModel:
         return output, features
 
     @torch.no_grad()
-    def features(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Concatenated features [b, S, n_feat*H] for teacher-forced sequences (no logits computed)."""
+    def features(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Concatenated features [b, S, n_feat*H] for teacher-forced sequences (no logits computed).
+
+        `position_ids` restarting at 0 mark packed samples: with no attention mask and no cache, transformers
+        builds a mask that keeps each sample to itself (docs/packing.md)."""
         _, features = self._run_with_capture(
-            stop_early=True, input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            stop_early=True,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
         )
         return features
 

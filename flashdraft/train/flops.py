@@ -34,7 +34,7 @@ class StepFlops:
 def visible_pairs(blocks: BlockBatch, kind: LayerKind) -> int:
     """(query, key) pairs a real block position attends to, for one layer kind."""
     b = blocks.block_size
-    anchors = blocks.anchors[blocks.keep].double()
+    anchors = blocks.context_lengths[blocks.keep].double()  # context before the anchor, own sample only
     ctx = anchors if kind.window is None else anchors.clamp(max=kind.window)
     block_pairs = b * (b + 1) / 2 if kind.causal else b * b
     return int((ctx * b).sum().item() + block_pairs * anchors.numel())

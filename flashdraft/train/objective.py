@@ -19,10 +19,9 @@ from flashdraft.model.target import TargetModel
 from flashdraft.train.blocks import (
     BlockBatch,
     acceptance_stats,
-    build_blocks,
+    blocks_for,
     dense_masks,
     flex_block_masks,
-    sample_anchors,
 )
 from flashdraft.train.loss import POSITION_WEIGHTS, WeightedHeadLoss, dpace_weights, weighted_sum
 
@@ -47,6 +46,7 @@ class Objective:
         num_anchors: int,
         gamma: float,
         loss: WeightedHeadLoss,
+        anchors: str = "per_row",
         attention: str = "sdpa",
         create_block_mask: Callable | None = None,
         autocast_dtype: torch.dtype | None = None,
@@ -57,9 +57,12 @@ class Objective:
             raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
         if position_weight not in POSITION_WEIGHTS:
             raise ValueError(f"position_weight={position_weight!r}; expected one of {POSITION_WEIGHTS}")
+        if anchors not in ("per_row", "budget"):
+            raise ValueError(f"anchors must be per_row or budget, got {anchors!r}")
         self.drafter = drafter
         self.target = target
         self.num_anchors = num_anchors
+        self.anchor_budget = anchors == "budget"
         self.gamma = gamma
         self.loss = loss
         self.attention = attention
@@ -80,18 +83,8 @@ class Objective:
     def blocks(self, batch: TokenBatch) -> BlockBatch:
         """Anchors and blocks; call it on the CPU batch (then `.to(device)` both) to avoid device syncs."""
         spec = self.drafter.spec
-        anchors, keep = sample_anchors(
-            batch.loss_mask, batch.lengths, self.num_anchors, spec.block_size, batch.seeds
-        )
-        return build_blocks(
-            batch.input_ids,
-            batch.loss_mask,
-            batch.lengths,
-            anchors,
-            keep,
-            spec.block_size,
-            spec.mask_token_id,
-            self.gamma,
+        return blocks_for(
+            batch, self.num_anchors, spec.block_size, spec.mask_token_id, self.gamma, self.anchor_budget
         )
 
     def normalizer(self, weights: Tensor) -> Tensor:
@@ -115,13 +108,17 @@ class Objective:
         blocks = self.blocks(batch) if blocks is None else blocks
         b, s = batch.input_ids.shape
         if features is None:
-            features = self.target.features(batch.input_ids)
+            # Packed rows: the position resets keep the target's samples apart (docs/packing.md).
+            features = self.target.features(batch.input_ids, position_ids=batch.position_ids)
         teacher_features = None
         if self.loss.needs_teacher:
             width = self.num_features * self.target.hidden_size
             features, teacher_features = features[..., :width], features[..., width:]
         noise = self.target.embed(blocks.block_ids)
-        ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
+        if batch.position_ids is not None:
+            ctx_positions = batch.position_ids  # RoPE within each sample, as if it were alone
+        else:
+            ctx_positions = torch.arange(s, device=batch.input_ids.device).expand(b, -1)
         masks = self.masks(blocks, s)
         with torch.autocast(
             noise.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None

@@ -27,12 +27,14 @@ from flashdraft.config import (
     resolve_drafter_fields,
     to_dict,
 )
+from flashdraft.data.packing import PackedEpochSampler, packing_refusal
 from flashdraft.data.render import tokenizer_fingerprint
 from flashdraft.data.tokens import (
     EpochSampler,
     TokenDataset,
     check_shard_sets,
     collate,
+    collate_packed,
     iterate_batches,
     load_token_dataset,
 )
@@ -213,6 +215,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     if topo.is_main:
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
     check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
+    if config.data.packing and (refusal := packing_refusal(target_config)):
+        raise FlashdraftError(refusal)
     target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
 
     # ------------------------------------------------------------------ data
@@ -225,8 +229,15 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    # The global batch; rank r takes r::world.
-    sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
+    # The global batch (samples, or packed rows: docs/packing.md); rank r takes r::world.
+    if config.data.packing:
+        sampler = PackedEpochSampler(
+            train_data.lengths(), t.batch_size * topo.world_size, t.seed, config.data.max_length
+        )
+        collate_items = collate_packed
+    else:
+        sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
+        collate_items = collate
 
     # ------------------------------------------------------------------ placement and compile (one place)
     placement = parallelize(
@@ -251,6 +262,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         num_anchors=t.num_anchors,
         gamma=t.gamma,
         loss=loss_fn,
+        anchors=t.anchors,
         attention=placement.attention,
         create_block_mask=placement.create_block_mask,
         autocast_dtype=placement.autocast_dtype,
@@ -259,8 +271,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     )
 
     # ------------------------------------------------------------------ optimizer and schedule
-    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
-    total_steps = t.max_steps or t.epochs * steps_per_epoch
+    # Packed epochs differ by a few rows: each epoch's own count (packing them costs ~1 s per 800K samples).
+    per_step = t.batch_size * t.grad_accum * topo.world_size
+    total_steps = t.max_steps or sum(math.ceil(sampler.items(e) / per_step) for e in range(t.epochs))
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
@@ -326,7 +339,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             mine = indices[topo.rank :: topo.world_size]
             if mine:  # at an epoch's end a rank can be left without samples; it still joins the reductions
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
-                batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
+                batch = collate_items(train_data, epoch, mine, t.seed, placement.pad_multiple)
                 blocks = objective.blocks(batch)
                 work = (
                     int(blocks.keep.sum()),
