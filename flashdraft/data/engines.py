@@ -232,8 +232,9 @@ class ContinuousBatchingEngine:
         self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
         self.on_gpu = next(model.parameters()).device.type == "cuda"
 
-    @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        # no inference_mode here: the scheduler's thread updates tensors made in this one, which an
+        # inference-mode tensor forbids outside inference mode (generate_batch manages grad itself)
         config = GenerationConfig(
             max_new_tokens=self.sampling.max_new_tokens,
             do_sample=False,
