@@ -423,7 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"
     )
     p.add_argument(
-        "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"
+        "--chunk",
+        type=non_negative_int,
+        default=0,
+        help="conversations per journaled regeneration chunk (0: 256; 4096 when regenerating on GPUs)",
     )
     add_sampling_flags(p)
     p.add_argument(

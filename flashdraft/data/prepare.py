@@ -43,7 +43,7 @@ class PrepareSettings:
     workers: int = 1  # CPU worker processes
     limit: int = 0
     min_supervised: int = 1
-    chunk: int = 256
+    chunk: int = 0  # conversations per journaled chunk; 0: 256, or 4096 for in-process GPU regeneration
     skip_bad_records: bool = False
     sampling: Sampling | None = None
     force: bool = False  # replace an --out that flashdraft prepare did not make
@@ -83,7 +83,9 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
-    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, settings.chunk, threads)
+    # a GPU engine runs a chunk as a few large batches: small chunks would leave it mostly idle
+    chunk = settings.chunk or (4096 if devices[0].startswith("cuda") else 256)
+    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, chunk, threads)
     return {
         "job": job,
         "devices": devices,
@@ -182,7 +184,7 @@ def prepare(
                     items,
                     lambda convs, _seeds: engine.complete(convs),
                     journal,
-                    chunk=settings.chunk,
+                    chunk=settings.chunk or 256,
                     on_progress=progress,
                 )
             else:
