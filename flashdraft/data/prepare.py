@@ -19,6 +19,8 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
+from flashdraft.data.generated_ids import use_generated_ids
+from flashdraft.data.local_regen import prompt_ids
 from flashdraft.data.regenerate import ServerEngine, journal_key, regenerate
 from flashdraft.data.render import check_renders, render_conversation, tokenizer_fingerprint
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
@@ -153,6 +155,8 @@ def prepare(
         conversations.append((conv.messages, where))
 
     sampling_record = None
+    generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
+    id_counts: Counter[str] = Counter()
     if settings.regenerate:
         if local is None:
             engine = ServerEngine(
@@ -201,16 +205,25 @@ def prepare(
                 dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
                 continue
             kept.append((done[key].messages, where))
+            generated.append(done[key].token_ids)
         conversations = kept
         sampling_record = engine_record
 
     samples, supervised, total = [], 0, 0
-    for messages, where in conversations:
+    for number, (messages, where) in enumerate(conversations):
         try:
             rendered_turns = render_conversation(tokenizer, messages, settings.thinking, where)
         except FlashdraftError as exc:
             bad(exc)
             continue
+        if generated and generated[number]:
+            rendered_turns = use_generated_ids(
+                rendered_turns,
+                [i for i, m in enumerate(messages) if m["role"] == "assistant"],
+                generated[number],
+                lambda i, messages=messages: prompt_ids(tokenizer, messages[:i], settings.thinking),
+                id_counts,
+            )
         for rendered in rendered_turns:
             n_sup = sum(rendered.loss_mask)
             if len(rendered.input_ids) > settings.max_length:
@@ -238,6 +251,7 @@ def prepare(
         "conversations": len(conversations),
         "samples": len(samples),
         "dropped": dict(dropped),
+        "generated_ids": dict(id_counts),
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
@@ -256,6 +270,8 @@ def prepare(
     table.add_row("samples kept", str(len(samples)))
     for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))
+    for outcome, count in sorted(id_counts.items()):
+        table.add_row(outcome, str(count))
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     if sampling_record:
