@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -311,8 +312,10 @@ class VllmEngine:
         from vllm import LLM  # optional extra; choose_engine checked it is importable
 
         self.sampling, self.stops = sampling, stops
-        if device.index:  # vLLM uses the current CUDA device; the worker process owns exactly one
-            torch.cuda.set_device(device)
+        if device.index is not None:  # vLLM takes the first visible GPU: make it this worker's own
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index]
         self.llm = LLM(model=str(target), dtype="bfloat16", seed=sampling.seed)
 
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
