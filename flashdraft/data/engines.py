@@ -185,7 +185,7 @@ class HFGenerateEngine:
         config = GenerationConfig(
             max_new_tokens=self.sampling.max_new_tokens,
             do_sample=False,  # sampling, when asked for, is SeededSampler's (batch-independent)
-            eos_token_id=self.stops,
+            eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
         )
         if self.on_gpu:
