@@ -48,6 +48,8 @@ def continuous_batching_available(model) -> bool:
 def choose_engine(requested: str, device: torch.device, sampling: Sampling, model=None) -> tuple[str, str]:
     """(engine, why) for `--engine requested` on `device`; asking for one that cannot run is an error."""
     greedy = sampling.temperature == 0
+    if requested not in ENGINES:
+        raise FlashdraftError(f"--engine {requested!r}: expected one of {', '.join(ENGINES)}")
     if requested == "vllm":
         if not vllm_available():
             raise FlashdraftError("--engine vllm: the vllm package is not installed (pip install vllm)")
@@ -72,8 +74,8 @@ def choose_engine(requested: str, device: torch.device, sampling: Sampling, mode
     if device.type == "cuda" and vllm_available():
         return "vllm", "auto: vllm is installed and the device is a GPU"
     if device.type == "cuda":
-        # transformers' continuous batching measured 5-12x slower than static-cache generate on an H200
-        # (docs/regeneration.md), so auto never picks it
+        # transformers' continuous batching measured several times slower than static-cache generate
+        # on an H200 (docs/regeneration.md), so auto never picks it
         return "hf", "auto: GPU without vllm: static-cache compiled generate"
     return "hf", "auto: CPU: batched generate"
 
