@@ -268,8 +268,7 @@ class ContinuousBatchingEngine:
             eos_token_id=self.stops,
             pad_token_id=self.pad_id,
         )
-        # warmup off: on transformers 5.17 it makes inference tensors that its scheduler thread cannot reset
-        kwargs: dict[str, Any] = {"generation_config": config, "warmup": False}
+        kwargs: dict[str, Any] = {"generation_config": config, "warmup": self.on_gpu}
         cb_config = self._cache_config(prompts)
         if cb_config is not None:
             kwargs["continuous_batching_config"] = cb_config
