@@ -188,12 +188,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         max_retries=args.max_retries,
         max_failed_requests=args.max_failed_requests,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size or 0,  # 0: sized by the engine
         device=args.device,
         engine=args.engine,
         workers=args.workers,
         limit=args.limit,
-        chunk=args.chunk,
+        chunk=args.chunk or 0,  # 0: by where regeneration runs
         skip_bad_records=args.skip_bad_records,
         force=args.force,
         sampling=sampling_from_flags(args),
@@ -471,9 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight to the server")
     p.add_argument(
         "--batch-size",
-        type=non_negative_int,
-        default=0,
-        help="rows per batch of in-process generation (0: from free GPU memory; 64 on the CPU)",
+        type=positive_int,
+        default=None,
+        help="rows per batch of in-process generation (default: from free GPU memory; 64 on the CPU)",
     )
     p.add_argument(
         "--device",
@@ -504,7 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
         "default: 1%% of the requests)",
     )
     p.add_argument(
-        "--chunk", type=positive_int, default=256, help="conversations per journaled regeneration chunk"
+        "--chunk",
+        type=positive_int,
+        default=None,
+        help="conversations per journaled regeneration chunk (default 256; 4096 when regenerating on GPUs)",
     )
     add_sampling_flags(p)
     p.add_argument(

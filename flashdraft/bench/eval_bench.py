@@ -32,7 +32,7 @@ import torch
 from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import TARGETS, build_random_target
 from flashdraft.config import Sampling, load_config
-from flashdraft.data.regenerate import LocalEngine
+from flashdraft.data.engines import HFGenerateEngine
 from flashdraft.durable import atomic_write_json, atomic_write_text
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.train.trainer import train
@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         ).tolist()
         for _ in range(n)
     ]
-    answers = LocalEngine(
-        model, None, Sampling(max_new_tokens=args.new_tokens), None, batch_size=128
-    ).generate_ids(prompts)
+    answers = HFGenerateEngine(
+        model, Sampling(max_new_tokens=args.new_tokens), [], 0, batch_size=128
+    ).generate_ids(prompts, [0] * len(prompts))
     atomic_write_text(
         work / "train.jsonl",
         "".join(

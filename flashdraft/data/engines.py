@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,6 +48,8 @@ def continuous_batching_available(model) -> bool:
 def choose_engine(requested: str, device: torch.device, sampling: Sampling, model=None) -> tuple[str, str]:
     """(engine, why) for `--engine requested` on `device`; asking for one that cannot run is an error."""
     greedy = sampling.temperature == 0
+    if requested not in ENGINES:
+        raise FlashdraftError(f"--engine {requested!r}: expected one of {', '.join(ENGINES)}")
     if requested == "vllm":
         if not vllm_available():
             raise FlashdraftError("--engine vllm: the vllm package is not installed (pip install vllm)")
@@ -70,11 +73,10 @@ def choose_engine(requested: str, device: torch.device, sampling: Sampling, mode
         return "hf", "asked for"
     if device.type == "cuda" and vllm_available():
         return "vllm", "auto: vllm is installed and the device is a GPU"
-    if device.type == "cuda" and greedy and continuous_batching_available(model):
-        return "hf-cb", "auto: GPU, greedy decoding, transformers continuous batching present"
     if device.type == "cuda":
-        why = "sampling (continuous batching cannot seed per answer)" if not greedy else "no generate_batch"
-        return "hf", f"auto: GPU, {why}: static-cache generate"
+        # transformers' continuous batching measured several times slower than static-cache generate
+        # on an H200 (docs/regeneration.md), so auto never picks it
+        return "hf", "auto: GPU without vllm: static-cache compiled generate"
     return "hf", "auto: CPU: batched generate"
 
 
@@ -152,7 +154,7 @@ def kv_bytes_per_token(config) -> int:
     return 2 * text.num_hidden_layers * heads * head_dim * itemsize
 
 
-def batch_size_for_memory(model, longest: int, device: torch.device, cap: int = 1024) -> int:
+def batch_size_for_memory(model, longest: int, device: torch.device, cap: int = 2048) -> int:
     """Rows whose KV cache (and ~30% headroom for activations and logits) fit in the free GPU memory."""
     free, _ = torch.cuda.mem_get_info(device)
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -165,17 +167,27 @@ class HFGenerateEngine:
 
     name = "hf"
 
-    def __init__(self, model, sampling: Sampling, stops: list[int], pad_id: int, batch_size: int = 0):
+    def __init__(
+        self,
+        model,
+        sampling: Sampling,
+        stops: list[int],
+        pad_id: int,
+        batch_size: int = 0,
+        fixed_shapes: bool | None = None,
+    ):
         self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
         self.device = next(model.parameters()).device
         self.on_gpu = self.device.type == "cuda"
         self.batch_size = batch_size  # 0: from free memory on a GPU, 64 on the CPU
+        self.fixed_shapes = self.on_gpu if fixed_shapes is None else fixed_shapes
+        self.shapes: list[tuple[int, int]] = []  # (rows, prompt width) already run (compiled on a GPU)
 
     def _config(self, width: int, seeds: list[int]) -> tuple[GenerationConfig, LogitsProcessorList]:
         config = GenerationConfig(
             max_new_tokens=self.sampling.max_new_tokens,
             do_sample=False,  # sampling, when asked for, is SeededSampler's (batch-independent)
-            eos_token_id=self.stops,
+            eos_token_id=self.stops or None,
             pad_token_id=self.pad_id,
         )
         if self.on_gpu:
@@ -192,30 +204,45 @@ class HFGenerateEngine:
             return batch_size_for_memory(self.model, longest + self.sampling.max_new_tokens, self.device)
         return 64
 
+    def _shape(self, rows: int, width: int) -> tuple[int, int]:
+        """The (rows, prompt width) a batch runs at. With fixed shapes (on a GPU) every new shape compiles
+        the static-cache decoder again (about 30 s for a 135M target on an H200, docs/regeneration.md), so a
+        shape already compiled that holds the batch, without doubling its rows, is reused."""
+        if not self.fixed_shapes:
+            return rows, width
+        fits = [(r, w) for r, w in self.shapes if rows <= r <= 2 * rows and w >= width]
+        if fits:
+            return min(fits, key=lambda shape: shape[0] * shape[1])
+        shape = (rows, -(-width // _PAD_MULTIPLE) * _PAD_MULTIPLE)
+        self.shapes.append(shape)
+        return shape
+
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
-        start = 0
-        while start < len(order):
-            width = len(prompts[order[start]])
-            if self.on_gpu:  # fewer distinct shapes: fewer compilations of the static-cache decoder
-                width = -(-width // _PAD_MULTIPLE) * _PAD_MULTIPLE
-            batch = order[start : start + self._rows(width)]
-            start += len(batch)
-            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, i in enumerate(batch):  # left padding: every prompt ends where generation starts
+        if not order:
+            return out
+        cap = self._rows(len(prompts[order[0]]))
+        per = -(-len(order) // -(-len(order) // cap))  # even batches: 1000 + 1000, not 1024 + 976
+        for start in range(0, len(order), per):
+            batch = order[start : start + per]
+            rows, width = self._shape(len(batch), len(prompts[batch[0]]))
+            # rows beyond the batch repeat its last prompt (their answers are dropped): the shape stays
+            filled = batch + [batch[-1]] * (rows - len(batch))
+            ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros(rows, width, dtype=torch.long)
+            for row, i in enumerate(filled):  # left padding: every prompt ends where generation starts
                 ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]) :] = 1
-            config, processors = self._config(width, [seeds[i] for i in batch])
+            config, processors = self._config(width, [seeds[i] for i in filled])
             generated = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 generation_config=config,
                 logits_processor=processors,
             )
-            for row, i in enumerate(generated[:, width:].tolist()):
+            for row, i in enumerate(generated[: len(batch), width:].tolist()):
                 out[batch[row]] = cut_at_stop(i, self.stops)
         return out
 
@@ -232,8 +259,9 @@ class ContinuousBatchingEngine:
         self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
         self.on_gpu = next(model.parameters()).device.type == "cuda"
 
-    @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        # no inference_mode here: the scheduler's thread updates tensors made in this one, which an
+        # inference-mode tensor forbids outside inference mode (generate_batch manages grad itself)
         config = GenerationConfig(
             max_new_tokens=self.sampling.max_new_tokens,
             do_sample=False,
@@ -285,8 +313,10 @@ class VllmEngine:
         from vllm import LLM  # optional extra; choose_engine checked it is importable
 
         self.sampling, self.stops = sampling, stops
-        if device.index:  # vLLM uses the current CUDA device; the worker process owns exactly one
-            torch.cuda.set_device(device)
+        if device.index is not None:  # vLLM takes the first visible GPU: make it this worker's own
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index]
         self.llm = LLM(model=str(target), dtype="bfloat16", seed=sampling.seed)
 
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:

@@ -175,7 +175,7 @@ def _worker(rank: int, device: str, job: LocalJob, items: list, journal: Path, e
     try:
         if job.threads:
             torch.set_num_threads(job.threads)
-        if device.startswith("cuda"):
+        if device.startswith("cuda") and job.engine != "vllm":  # vllm picks its GPU by visibility
             torch.cuda.set_device(torch.device(device))
         engine = build_engine(job, device)
 
@@ -210,6 +210,7 @@ def run_workers(
     context = multiprocessing.get_context("spawn")
     errors = context.SimpleQueue()
     journal.parent.mkdir(parents=True, exist_ok=True)
+    journal.touch()  # an --out holding only parts would not be recognised as prepare's on a rerun
     processes = [
         context.Process(
             target=worker, args=(rank, device, job, pending[rank :: len(devices)], journal, errors)

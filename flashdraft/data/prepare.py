@@ -19,6 +19,8 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
+from flashdraft.data.generated_ids import use_generated_ids
+from flashdraft.data.local_regen import prompt_ids
 from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
 from flashdraft.data.render import (
     check_renders,
@@ -51,7 +53,7 @@ class PrepareSettings:
     retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
     limit: int = 0
     min_supervised: int = 1
-    chunk: int = 256
+    chunk: int = 0  # conversations per journaled chunk; 0: 256, or 4096 for in-process GPU regeneration
     skip_bad_records: bool = False
     sampling: Sampling | None = None
     force: bool = False  # replace an --out that flashdraft prepare did not make
@@ -91,7 +93,9 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
-    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, settings.chunk, threads)
+    # a GPU engine runs a chunk as a few large batches: small chunks would leave it mostly idle
+    chunk = settings.chunk or (4096 if devices[0].startswith("cuda") else 256)
+    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, chunk, threads)
     return {
         "job": job,
         "devices": devices,
@@ -159,6 +163,8 @@ def prepare(
         conversations.append((conv.messages, where))
 
     sampling_record = server_requests = None
+    generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
+    id_counts: Counter[str] = Counter()
     if settings.regenerate:
         if local is None:
             # one request per assistant turn; a conversation with only a prompt gets one answer too
@@ -204,7 +210,7 @@ def prepare(
                     items,
                     engine.complete,
                     journal,
-                    chunk=settings.chunk,
+                    chunk=settings.chunk or 256,
                     on_progress=progress,
                 )
             else:
@@ -226,18 +232,27 @@ def prepare(
                 dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
                 continue
             kept.append((done[key].messages, where))
+            generated.append(done[key].token_ids)
         conversations = kept
         sampling_record = engine_record
         if local is None:
             server_requests = asdict(engine.counts)
 
     samples, supervised, total = [], 0, 0
-    for messages, where in conversations:
+    for number, (messages, where) in enumerate(conversations):
         try:
             rendered_turns = render_conversation(tokenizer, messages, settings.thinking, where)
         except FlashdraftError as exc:
             bad(exc)
             continue
+        if generated and generated[number]:
+            rendered_turns = use_generated_ids(
+                rendered_turns,
+                [i for i, m in enumerate(messages) if m["role"] == "assistant"],
+                generated[number],
+                lambda i, messages=messages: prompt_ids(tokenizer, messages[:i], settings.thinking),
+                id_counts,
+            )
         for rendered in rendered_turns:
             n_sup = sum(rendered.loss_mask)
             if len(rendered.input_ids) > settings.max_length:
@@ -265,6 +280,7 @@ def prepare(
         "conversations": len(conversations),
         "samples": len(samples),
         "dropped": dict(dropped),
+        "generated_ids": dict(id_counts),
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
@@ -284,6 +300,8 @@ def prepare(
     table.add_row("samples kept", str(len(samples)))
     for reason, count in sorted(dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))
+    for outcome, count in sorted(id_counts.items()):
+        table.add_row(outcome, str(count))
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     if sampling_record:

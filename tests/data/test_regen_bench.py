@@ -1,0 +1,40 @@
+"""`flashdraft bench regen` on the CPU with the tiny target: the prepare path and the plain baseline, one JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashdraft.cli import main
+
+
+@pytest.mark.slow
+def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, target, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    words = ["hi", "why", "2+2", "thanks", "hi there", "be brief", "ok", "sure"]
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": w}]}) + "\n" for w in words)
+    )
+    out = tmp_path / "regen.json"
+    argv = [
+        "--target",
+        str(target),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "4",
+        "--baseline-batch",
+        "500",
+    ]
+    assert main(["bench", "regen", *argv, "--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "flashdraft bench regen" and result["git_commit"]
+    assert result["prompts"] == 8
+    assert result["prepare"]["new_tokens"] == result["baseline"]["new_tokens"] == 8 * 4
+    assert result["prepare"]["regeneration"]["engine"] == "hf"
+    assert result["prepare"]["regeneration"]["devices"] == ["cpu"]
+    assert result["baseline"]["batch"] == 500
+    assert result["speedup"] == pytest.approx(
+        result["baseline"]["seconds"] / result["prepare"]["seconds"], rel=0.05
+    )
