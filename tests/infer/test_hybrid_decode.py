@@ -68,7 +68,16 @@ class NoisyOracleDrafter(DFlashDraftModel):
         self.init_weights(torch.Generator().manual_seed(seed))
         self.continuation, self.error, self.rng = continuation, error, random.Random(seed)
 
-    def forward(self, noise_embedding, target_hidden, ctx_positions, block_positions, masks, cache=None):
+    def forward(
+        self,
+        noise_embedding,
+        target_hidden,
+        ctx_positions,
+        block_positions,
+        masks,
+        cache=None,
+        block_len=None,
+    ):
         self.block_start = int(block_positions[0, 0])
         return super().forward(noise_embedding, target_hidden, ctx_positions, block_positions, masks, cache)
 
