@@ -127,6 +127,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.update = update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
+        # The step's gradients once gathered (fp32 sums or the params' own .grad), reused by grad_norm(),
+        # the all-reduce and step() until the next micro-batch, step or discard: gathered once per step.
+        self._gathered: list[Tensor] | None = None
+        self._gathered_fp32 = False
         for p in _params(self):  # allocated now: an out-of-memory shows at start-up, not at the first step
             self.state[p].update(
                 master=p.detach().float().clone(),
@@ -136,6 +140,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def accumulate_gradients(self) -> None:
         """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
+        self._gathered = None
         for p in _params(self):
             if p.grad is None:
                 continue
@@ -149,14 +154,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def gradients(self, fp32: bool = False) -> list[Tensor]:
         """The step's gradients: fp32 sums if anything was accumulated (or `fp32`, e.g. before an
         all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
+        if self._gathered is not None and (self._gathered_fp32 or not fp32):
+            return self._gathered
         params = _params(self)
         if fp32 or any("grad_sum" in self.state[p] for p in params):
-            for p in params:  # a parameter without any gradient gets zeros, so ranks agree
-                if p.grad is None and "grad_sum" not in self.state[p]:
-                    p.grad = torch.zeros_like(p)
             self.accumulate_gradients()
-            return [self.state[p]["grad_sum"] for p in params]
-        return _ensure_grads(params)
+            for p in params:  # a parameter without any gradient gets fp32 zeros, so ranks agree
+                if "grad_sum" not in self.state[p]:
+                    self.state[p]["grad_sum"] = torch.zeros_like(p, dtype=torch.float32)
+            self._gathered, self._gathered_fp32 = [self.state[p]["grad_sum"] for p in params], True
+        else:
+            self._gathered, self._gathered_fp32 = _ensure_grads(params), False
+        return self._gathered
 
     def grad_norm(self) -> Tensor:
         """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync)."""
@@ -164,6 +173,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def discard_gradients(self) -> None:
         """Drop the step's gradients, fp32 sums included (after a step, or instead of a skipped one)."""
+        self._gathered = None
         for p in _params(self):
             p.grad = None
             self.state[p].pop("grad_sum", None)
@@ -211,6 +221,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 )
                 state.pop("grad_sum", None)
                 i += 1
+        self._gathered = None
 
     def state_dict(self) -> dict:
         return {
