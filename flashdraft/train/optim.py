@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -29,6 +30,13 @@ MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 def global_norm(grads: list[Tensor]) -> Tensor:
     """The L2 norm of all gradients together, accumulated in fp32 (a device scalar: no sync)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def sharded_norm(grads: list[DTensor]) -> Tensor:
+    """The L2 norm of whole gradients held as FSDP2 shards: the shards' squared norms summed over the mesh."""
+    squares = global_norm([g.to_local() for g in grads]).square()
+    torch.distributed.all_reduce(squares, group=grads[0].device_mesh.get_group())
+    return squares.sqrt()
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -53,10 +61,14 @@ class ClippedAdamW(torch.optim.AdamW):
         return _ensure_grads(_params(self))
 
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the gradients (a device scalar: no sync)."""
+        """The global L2 norm of the gradients (a device scalar: no sync). Over FSDP2 shards (DTensors) the
+        norm of the whole: the shards' norms meet in one all-reduce."""
+        grads = self.gradients()
+        if isinstance(grads[0], DTensor):
+            return sharded_norm(grads)
         if not self.defaults.get("fused"):
-            return torch.nn.utils.get_total_norm(self.gradients())  # what clip_grad_norm_ computes
-        return global_norm(self.gradients())
+            return torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes
+        return global_norm(grads)
 
     def clip_and_step(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
         """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync).
@@ -64,7 +76,13 @@ class ClippedAdamW(torch.optim.AdamW):
         params = _params(self)
         norm = self.grad_norm() if norm is None else norm
         if not self.defaults.get("fused"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            if isinstance(
+                params[0], DTensor
+            ):  # the same factor clip_grads_with_norm_ applies, shard by shard
+                factor = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+                torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             self.step()
             return norm
         self.grad_scale = torch.clamp(norm / max_norm, min=1.0).float()  # the fused kernel divides by it
@@ -263,6 +281,8 @@ def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, comp
     whose per-tensor update is compiled with `compile` (one fused kernel per tensor; dynamic shapes, so one
     compile serves every parameter's size)."""
     if all(p.dtype == torch.float32 for p in params):
-        return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=params[0].device.type == "cuda")
+        # FSDP2's shards (DTensors) take the foreach kernels: the fused one's grad_scale is a plain tensor
+        fused = params[0].device.type == "cuda" and not isinstance(params[0], DTensor)
+        return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
     update = torch.compile(adamw_update, fullgraph=True, dynamic=True) if compile else adamw_update
     return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)

@@ -36,7 +36,13 @@ from flashdraft.data.tokens import (
     iterate_batches,
     load_token_dataset,
 )
-from flashdraft.distributed.parallelize import parallelize
+from flashdraft.distributed.parallelize import (
+    full_state_dicts,
+    load_sharded_optimizer,
+    parallelize,
+    resolve_data_parallel,
+    unsharded_copy,
+)
 from flashdraft.distributed.topology import (
     all_reduce_sum,
     any_rank_flags,
@@ -166,7 +172,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
     # One process per GPU under torchrun; a plain single process otherwise.
-    topo, device = init_topology(t.device)
+    topo, device = init_topology(t.device, config.distributed.timeout_minutes)
 
     def say(line: str) -> None:  # the main rank speaks for all
         if topo.is_main:
@@ -219,6 +225,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
 
     # ------------------------------------------------------------------ placement and compile (one place)
+    if resume_from is not None:  # before placement: data parallelism starts from the checkpoint's weights
+        drafter.load_state_dict(resume_from.drafter.state_dict())
     placement = parallelize(
         drafter,
         device=device,
@@ -227,20 +235,28 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         activation_checkpointing=t.activation_checkpointing,
         dtype=t.dtype,
         master_weights=t.master_weights,
+        data_parallel=resolve_data_parallel(config.distributed.data_parallel, topo.world_size),
     )
+    parallel = placement.data_parallel
     loss_fn = WeightedHeadLoss(
         chunk=t.loss_chunk, multiplier=spec.output_multiplier, compile=placement.compiled
     )
-    objective = Objective(
-        drafter,
-        target,
-        num_anchors=t.num_anchors,
-        gamma=t.gamma,
-        loss=loss_fn,
-        attention=placement.attention,
-        create_block_mask=placement.create_block_mask,
-        autocast_dtype=placement.autocast_dtype,
-    )
+
+    def bind(model) -> Objective:
+        return Objective(
+            model,
+            target,
+            num_anchors=t.num_anchors,
+            gamma=t.gamma,
+            loss=loss_fn,
+            attention=placement.attention,
+            create_block_mask=placement.create_block_mask,
+            autocast_dtype=placement.autocast_dtype,
+        )
+
+    objective = bind(parallel.module)  # the DDP wrapper, the FSDP-sharded drafter, or the drafter
+    # Evaluation runs on the main rank alone with a replica (no collective), on every rank with shards.
+    eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
     steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
@@ -254,12 +270,23 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
 
     # ------------------------------------------------------------------ resume
     step, best_tau, skipped = 0, -math.inf, 0
+    # FSDP's optimizer state is saved whole and keyed by parameter name; a replica's as torch keeps it.
+    optimizer_layout = "sharded" if parallel.sharded else "replicated"
     if resume_from is not None:
         state = resume_from.state
-        drafter.load_state_dict(resume_from.drafter.state_dict())
+        layout = state.get("optimizer_layout", "replicated")
+        if layout != optimizer_layout:
+            raise FlashdraftError(
+                f"train.resume: {resume_from.path} holds a {layout} optimizer state and this run keeps a "
+                f"{optimizer_layout} one (distributed.data_parallel changed between fsdp and ddp or one process); "
+                "resume with the checkpoint's setting"
+            )
         try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as exc:
+            if parallel.sharded:
+                load_sharded_optimizer(drafter, optimizer, state["optimizer"])
+            else:
+                optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
             raise FlashdraftError(
                 f"train.resume: the optimizer state in {resume_from.path} does not fit this run "
                 f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
@@ -272,10 +299,14 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         del state
         resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
 
-    def trainer_state() -> dict[str, Any]:
-        return {
+    def checkpoint_parts() -> tuple[DFlashDraftModel, dict[str, Any]]:
+        """The drafter to write and the trainer state; with shards a collective (every rank calls it), and
+        both are whole: a checkpoint does not depend on the world size that wrote it."""
+        weights, optimizer_state = full_state_dicts(parallel, drafter, optimizer)  # whole on the main rank
+        return (unsharded_copy(drafter, weights) if parallel.sharded and topo.is_main else drafter), {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
+            "optimizer_layout": optimizer_layout,
             "scheduler": scheduler.state_dict(),
             "sampler": sampler_state,
             "best_tau": best_tau,
@@ -308,7 +339,13 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         for _ in range(t.grad_accum):
             epoch, indices = sampler.next_batch()
             mine = indices[topo.rank :: topo.world_size]
-            if mine:  # at an epoch's end a rank can be left without samples; it still joins the reductions
+            if not mine and parallel.reduces_gradients:
+                # At an epoch's end a rank can be left without samples. DDP and FSDP need every rank in every
+                # backward: this rank runs one sample at weight zero (no gradient, no metric, no work).
+                batch = collate(train_data, epoch, indices[:1], t.seed, placement.pad_multiple)
+                blocks = objective.blocks(batch)
+                micro.append((batch.to(device), blocks.to(device), 0.0, None))
+            elif mine:  # without DDP/FSDP an empty rank still joins the manual reductions
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
                 batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
                 blocks = objective.blocks(batch)
@@ -331,21 +368,28 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         micro, sampler_state = upcoming
         for _, _, _, work in micro:
-            window.add_work(*work)
+            if work is not None:
+                window.add_work(*work)
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w, _ in micro)], device, topo)
         losses, stats = [], []
-        for i, (batch, blocks, _, _) in enumerate(micro):
-            out = objective(batch, blocks)
-            (out.loss_sum / total_weight).backward()
-            if i < len(micro) - 1:
+        for i, (batch, blocks, _, work) in enumerate(micro):
+            last = i == len(micro) - 1
+            with parallel.sync(last):  # DDP/FSDP reduce in the last micro-batch's backward only
+                out = objective(batch, blocks)
+                # a padding micro-batch weighs 0
+                loss = out.loss_sum / total_weight if work is not None else out.loss_sum * 0.0
+                loss.backward()
+            if not last and not parallel.reduces_gradients:
                 optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
-            losses.append(out.loss_sum.detach())
-            stats.append(out.stats)
+            if work is not None:
+                losses.append(out.loss_sum.detach())
+                stats.append(out.stats)
         # The next step's batches are read and collated on the host while the GPU runs this step's
         # kernels (queued above, not yet waited for); the order of samples is the same as without it.
         upcoming = draw_step() if step + 1 < total_steps else None
-        sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
+        if not parallel.reduces_gradients:  # one process: a no-op
+            sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
         grad_norm = optimizer.grad_norm()
         # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
@@ -404,23 +448,34 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 logger.log(step, metrics)
             heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
             window = LogWindow(spec.block_size)
-        if (
-            topo.is_main
-            and eval_data is not None
-            and t.eval_every
-            and (step % t.eval_every == 0 or step == total_steps)
-        ):
+        evaluating = (
+            eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps)
+        )
+        if evaluating and (topo.is_main or parallel.sharded):
             heartbeat.beat("evaluating")
-            result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
-            logger.log(step, result, kind="eval")
+            result = evaluate(eval_objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             heartbeat.beat("training", eval_tau=result["tau"])
-            if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
+            if logger is not None:
+                logger.log(step, result, kind="eval")
+            if (
+                result["tau"] > best_tau
+            ):  # the best checkpoint by simulated acceptance (the same on every rank)
                 best_tau = result["tau"]
-                save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
-        if topo.is_main and (step % t.save_every == 0 or step == total_steps or stopping):
+                best = drafter
+                if parallel.sharded:  # a collective; the whole state lands on the main rank
+                    weights = full_state_dicts(parallel, drafter)[0]
+                    best = unsharded_copy(drafter, weights) if topo.is_main else drafter
+                if topo.is_main:
+                    save_drafter(best, out_dir / "best", dtype=torch.bfloat16)
+        if (topo.is_main or parallel.sharded) and (
+            step % t.save_every == 0 or step == total_steps or stopping
+        ):
             heartbeat.beat("checkpointing")
-            path = save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
-            heartbeat.beat("training", checkpoint=str(path))
+            to_write, state = checkpoint_parts()
+            if topo.is_main:
+                path = save_checkpoint(out_dir, step, to_write, state, t.keep_last)
+                heartbeat.beat("training", checkpoint=str(path))
+            del to_write, state
         if stopping:
             outcome = "stopped"
             say(f"stopped at step {step}; resume with train.resume=auto")
