@@ -133,6 +133,21 @@ class DistributedConfig:
         30.0,
         "A collective that waits longer than this (a dead or hung rank) fails the whole job, naming the rank.",
     )
+    mode: str = doc(
+        "colocated",
+        "'colocated': every process runs the target and a drafter replica. 'split': target ranks only run the "
+        "target and send its features to drafter ranks, which train (data-parallel among themselves).",
+    )
+    target_ranks: int | list[int] = doc(
+        1,
+        "With mode=split, per node: how many processes run the target (the node's last local ranks), or the "
+        "list of their local ranks (not 0: rank 0 trains the drafter).",
+    )
+    max_in_flight: int = doc(
+        2,
+        "With mode=split: optimizer steps of features the target side may run ahead of the drafters "
+        "(2: double buffering); a slower side makes the other wait.",
+    )
 
 
 @dataclass
@@ -414,6 +429,14 @@ def validate(config: Config) -> None:
         (
             config.distributed.timeout_minutes > 0,
             f"distributed.timeout_minutes must be positive, got {config.distributed.timeout_minutes}",
+        ),
+        (
+            config.distributed.mode in ("colocated", "split"),
+            f"distributed.mode must be colocated or split, got {config.distributed.mode!r}",
+        ),
+        (
+            config.distributed.max_in_flight >= 1,
+            f"distributed.max_in_flight must be at least 1, got {config.distributed.max_in_flight}",
         ),
     ]
     for ok, message in checks:

@@ -209,6 +209,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def pad_multiple(compiled: bool) -> int:
+    """Sequence lengths are padded to this so compiled shapes repeat (the split topology's target side
+    pads alike, so both sides collate the same shapes)."""
+    return 256 if compiled else 1
+
+
 def guard_compile(num_layers: int) -> None:
     """Make every silent compile degradation loud (docs/processes.md)."""
     cfg = torch._dynamo.config
@@ -278,6 +284,6 @@ def parallelize(
         autocast_dtype,
         param_dtype,
         create_block_mask,
-        pad_multiple=256 if compile else 1,
+        pad_multiple=pad_multiple(compile),
         data_parallel=parallel,
     )

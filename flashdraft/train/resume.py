@@ -34,6 +34,9 @@ EXEMPT = frozenset(
         "train.loss_chunk",
         "distributed.timeout_minutes",
         "distributed.data_parallel",  # only rounding differs; the optimizer state's layout is checked apart
+        "distributed.mode",  # with target_ranks: how many ranks train, checked as the global micro-batch
+        "distributed.target_ranks",
+        "distributed.max_in_flight",
     }
 )
 # Keys that may grow: the run goes on longer. 0 means "no step limit" for max_steps.

@@ -8,6 +8,7 @@ you, resume refused on changed settings) are in docs/training-safety.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from flashdraft.config import (
@@ -39,15 +41,27 @@ from flashdraft.data.tokens import (
 from flashdraft.distributed.parallelize import (
     full_state_dicts,
     load_sharded_optimizer,
+    pad_multiple,
     parallelize,
     resolve_data_parallel,
     unsharded_copy,
 )
+from flashdraft.distributed.split import (
+    Control,
+    FeatureReceiver,
+    SideClock,
+    SplitRoles,
+    balance,
+    micro_share,
+    split_roles,
+)
 from flashdraft.distributed.topology import (
+    Topology,
     all_reduce_sum,
     any_rank_flags,
     barrier,
     init_topology,
+    local_world_size,
     shutdown,
     sum_gradients,
 )
@@ -63,10 +77,11 @@ from flashdraft.model.drafter_dir import (
     save_drafter,
 )
 from flashdraft.model.spec import DFlashSpec, default_gamma
-from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
+from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
+from flashdraft.train.feature_server import serve_features
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
@@ -165,6 +180,11 @@ class _StopRequest:
         self.requested = True
 
 
+def _serves(roles: SplitRoles | None) -> bool:
+    """This rank runs the target for drafter ranks (split topology)."""
+    return roles is not None and roles.is_target
+
+
 def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     t = config.train
     heartbeat = heartbeat or Heartbeat(None)
@@ -173,6 +193,25 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     heartbeat.beat("loading", force=True)
     # One process per GPU under torchrun; a plain single process otherwise.
     topo, device = init_topology(t.device, config.distributed.timeout_minutes)
+    roles = None
+    if config.distributed.mode == "split":
+        # Target ranks serve features (train/feature_server.py); the drafter ranks are the topology that
+        # trains, with their own process group (docs/distributed.md).
+        if not topo.distributed:
+            raise FlashdraftError(
+                "distributed.mode=split needs at least 2 processes (flashdraft launch --nproc-per-node N)"
+            )
+        roles = split_roles(config.distributed.target_ranks, topo.rank, topo.world_size, local_world_size())
+        group = dist.new_group(list(roles.drafter_ranks))  # every rank takes part in creating it
+        if not roles.is_target:
+            topo = Topology(
+                roles.drafter_ranks.index(topo.rank), len(roles.drafter_ranks), topo.local_rank, group
+            )
+        if t.eval_every:
+            raise FlashdraftError(
+                "train.eval_every: held-out evaluation is not available with distributed.mode=split yet (the "
+                "drafter ranks hold no target); set train.eval_every=0 or use distributed.mode=colocated"
+            )
 
     def say(line: str) -> None:  # the main rank speaks for all
         if topo.is_main:
@@ -188,7 +227,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         for partial in remove_stale_partials(out_dir):
             say(f"removed an incomplete checkpoint left by an earlier run: {partial}")
     # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
-    resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main)
+    resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main and not _serves(roles))
 
     # ------------------------------------------------------------------ target and drafter
     target_config = load_target_config(config.model.target)
@@ -201,15 +240,20 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             resume_from.state["config"],
             resume_from.state["world_size"],
             to_dict(config),
-            topo.world_size,
+            len(roles.drafter_ranks) if roles else topo.world_size,
             allow_changes=t.resume_allow_changes,
             source=str(resume_from.path),
             log=say,
         )
-    if topo.is_main:
+    if topo.is_main and not _serves(roles):
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
     check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
-    target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
+    if roles is None or roles.is_target:
+        target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
+    else:  # a drafter rank of a split topology needs only the target's embedding and LM head on its device
+        target = TargetModel.load(config.model.target, spec.target_layer_ids, dtype=default_dtype(device))
+        target.embed_weight = target.embed_weight.to(device)
+        target.lm_head_weight = target.lm_head_weight.to(device)
 
     # ------------------------------------------------------------------ data
     data_kwargs = {
@@ -221,8 +265,24 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    # The global batch; rank r takes r::world.
-    sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
+    # The global micro-batch; drafter rank r takes r::ranks (train_ranks: all ranks, or the drafter ranks).
+    train_ranks = len(roles.drafter_ranks) if roles else topo.world_size
+    sampler = EpochSampler(len(train_data), t.batch_size * train_ranks, t.seed)
+    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * train_ranks))
+    total_steps = t.max_steps or t.epochs * steps_per_epoch
+    if _serves(roles):
+        return serve_features(
+            config,
+            roles,
+            target,
+            train_data,
+            sampler,
+            resume_from.state if resume_from is not None else None,
+            total_steps,
+            pad_multiple(t.compile and device.type == "cuda"),
+            heartbeat,
+            lambda: stop.requested,
+        )
 
     # ------------------------------------------------------------------ placement and compile (one place)
     if resume_from is not None:  # before placement: data parallelism starts from the checkpoint's weights
@@ -236,6 +296,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         dtype=t.dtype,
         master_weights=t.master_weights,
         data_parallel=resolve_data_parallel(config.distributed.data_parallel, topo.world_size),
+        group=topo.group,
     )
     parallel = placement.data_parallel
     loss_fn = WeightedHeadLoss(
@@ -259,8 +320,6 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
-    steps_per_epoch = math.ceil(len(train_data) / (t.batch_size * t.grad_accum * topo.world_size))
-    total_steps = t.max_steps or t.epochs * steps_per_epoch
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
@@ -332,23 +391,36 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     )
     outcome = "finished"
 
-    def draw_step() -> tuple[list[tuple], dict[str, Any]]:
-        """The next step's micro-batches, prepared on the host and queued to the device, and the sampler
-        state after drawing them (what a checkpoint of that step records)."""
+    # Split topology: this drafter rank's features come from its target rank, received ahead of use.
+    receiver = clock = control = None
+    if roles is not None:
+        clock = SideClock()
+        receiver = FeatureReceiver(
+            roles.source_of(roles.rank), config.distributed.timeout_minutes * 60, clock
+        )
+        control = Control(roles, device, config.distributed.timeout_minutes * 60)
+        feature_width = len(spec.target_layer_ids) * target.hidden_size
+    totals_before: dict[str, float] | None = None
+
+    def draw_step(index: int) -> tuple[list[tuple], dict[str, Any]]:
+        """Step `index`'s micro-batches, prepared on the host and queued to the device (their features'
+        receives posted, in a split topology), and the sampler state after drawing them (what a checkpoint
+        of that step records)."""
         micro = []
-        for _ in range(t.grad_accum):
+        for m in range(t.grad_accum):
             epoch, indices = sampler.next_batch()
-            mine = indices[topo.rank :: topo.world_size]
-            if not mine and parallel.reduces_gradients:
-                # At an epoch's end a rank can be left without samples. DDP and FSDP need every rank in every
-                # backward: this rank runs one sample at weight zero (no gradient, no metric, no work).
-                batch = collate(train_data, epoch, indices[:1], t.seed, placement.pad_multiple)
-                blocks = objective.blocks(batch)
+            # At an epoch's end a rank can be left without samples. DDP and FSDP need every rank in every
+            # backward: such a rank runs one sample at weight zero (no gradient, no metric, no work).
+            mine, padding = micro_share(indices, topo.rank, topo.world_size)
+            batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
+            if receiver is not None:
+                header = [index, m, *batch.input_ids.shape, feature_width]
+                receiver.post(header, target.dtype, device)
+            blocks = objective.blocks(batch)
+            if padding:
                 micro.append((batch.to(device), blocks.to(device), 0.0, None))
-            elif mine:  # without DDP/FSDP an empty rank still joins the manual reductions
+            else:
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
-                batch = collate(train_data, epoch, mine, t.seed, placement.pad_multiple)
-                blocks = objective.blocks(batch)
                 work = (
                     int(blocks.keep.sum()),
                     step_flops(
@@ -363,10 +435,21 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 micro.append((batch.to(device), blocks.to(device), float(blocks.weights.sum()), work))
         return micro, sampler.state_dict()
 
-    upcoming = draw_step() if step < total_steps else None
+    pending: collections.deque = collections.deque()
+    next_draw = step
+
+    def draw_ahead(count: int) -> None:
+        nonlocal next_draw
+        while len(pending) < count and next_draw < total_steps:
+            pending.append(draw_step(next_draw))
+            next_draw += 1
+
     while step < total_steps:
         started = time.perf_counter()
-        micro, sampler_state = upcoming
+        waited_before = clock.waiting if clock else 0.0
+        # Split: the receives of the next max_in_flight - 1 steps are posted before this one trains.
+        draw_ahead(config.distributed.max_in_flight if roles else 1)
+        micro, sampler_state = pending.popleft()
         for _, _, _, work in micro:
             if work is not None:
                 window.add_work(*work)
@@ -375,8 +458,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         losses, stats = [], []
         for i, (batch, blocks, _, work) in enumerate(micro):
             last = i == len(micro) - 1
+            features = receiver.take() if receiver is not None else None
+            if clock is not None and work is not None:
+                clock.samples += batch.input_ids.shape[0]
             with parallel.sync(last):  # DDP/FSDP reduce in the last micro-batch's backward only
-                out = objective(batch, blocks)
+                out = objective(batch, blocks, features=features)
                 # a padding micro-batch weighs 0
                 loss = out.loss_sum / total_weight if work is not None else out.loss_sum * 0.0
                 loss.backward()
@@ -387,7 +473,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 stats.append(out.stats)
         # The next step's batches are read and collated on the host while the GPU runs this step's
         # kernels (queued above, not yet waited for); the order of samples is the same as without it.
-        upcoming = draw_step() if step + 1 < total_steps else None
+        if roles is None:
+            draw_ahead(1)
         if not parallel.reduces_gradients:  # one process: a no-op
             sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
         grad_norm = optimizer.grad_norm()
@@ -395,6 +482,12 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
         bad, stopping = any_rank_flags([non_finite(losses, grad_norm), stop.requested], device, topo)
         step += 1
+        if control is not None:  # the target side learns of a stop here, and reports its clock
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
+            totals = control.exchange(stopping, clock, step)
+            stopping = stopping or totals["stop"] > 0
         if bad:
             optimizer.discard_gradients()  # no weight, moment or schedule update
             skipped += 1
@@ -444,9 +537,22 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
+            report = {}
+            if control is not None:  # the balance report of the split topology, over this window
+                report = balance(totals, totals_before, len(roles.target_ranks), len(roles.drafter_ranks))
+                totals_before = totals
+                metrics.update({f"balance/{k}": v for k, v in report.items() if k != "advice"})
+                if report.get("advice"):
+                    say(f"balance at step {step}: {report['advice']}")
             if logger is not None:
                 logger.log(step, metrics)
-            heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
+            heartbeat.beat(
+                loss=metrics["loss"],
+                tau=metrics["tau"],
+                tflops=metrics["tflops"],
+                **({"balance": report} if report else {}),
+                force=True,
+            )
             window = LogWindow(spec.block_size)
         evaluating = (
             eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps)
@@ -480,6 +586,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             outcome = "stopped"
             say(f"stopped at step {step}; resume with train.resume=auto")
             break
+    if receiver is not None:  # a stop leaves received-ahead features of steps not trained: take and drop them
+        receiver.drain()
     if logger is not None:
         logger.close()
     barrier(topo)
