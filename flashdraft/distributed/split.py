@@ -223,7 +223,12 @@ class Control:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         work = dist.all_reduce(tensor, async_op=True)
         started = time.perf_counter()
-        wait_for(work, self.timeout_s, f"the step {step} exchange between target and drafter ranks")
+        # On a drafter rank the drafters have just agreed on the step's flags among themselves: if this
+        # exchange never completes, the missing rank is on the other side, and the message says which.
+        other = self.roles.drafter_ranks if self.roles.is_target else self.roles.target_ranks
+        side = "drafter" if self.roles.is_target else "target"
+        names = f"{side} rank {other[0]}" if len(other) == 1 else f"one of the {side} ranks {list(other)}"
+        wait_for(work, self.timeout_s, f"{names} did not join the exchange of step {step}")
         if self.roles.is_target:
             clock.waiting += time.perf_counter() - started
         return dict(zip(self.FIELDS, tensor.tolist(), strict=True))
