@@ -188,3 +188,27 @@ def test_balance_report_names_the_waiting_side_and_the_split():
     assert report["advice"] == "drafters wait 30%: 1 target + 7 drafter GPUs is the best split of 8"
     slow_target = {**totals, "target_busy": 80.0}  # now 1.25 samples per busy second
     assert balance(slow_target, None, 1, 7)["advice"] == "drafters wait 30%: use 4 target + 4 drafter GPUs"
+
+
+def test_status_shows_the_balance_report_from_rank_0s_heartbeat(tmp_path):
+    from flashdraft.run.status import balance_line, with_balance
+    from flashdraft.run_protocol import write_json
+
+    report = {
+        "target_samples_per_s_per_gpu": 40.0,
+        "target_busy_share": 1.0,
+        "target_waiting_share": 0.0,
+        "drafter_samples_per_s_per_gpu": 10.0,
+        "drafter_busy_share": 0.62,
+        "drafter_waiting_share": 0.38,
+        "advice": "drafters wait 38%: use 3 target + 5 drafter GPUs",
+    }
+    (tmp_path / "rank0").mkdir()
+    write_json(tmp_path / "rank0" / "heartbeat.json", {"step": 3, "balance": report})
+    info = with_balance({"run_dir": str(tmp_path)})
+    assert info["balance"] == report
+    assert balance_line(info["balance"]) == (
+        "balance: target 40.0 samples/s/GPU, busy 100% waiting 0%, drafter 10.0 samples/s/GPU, busy 62% "
+        "waiting 38%; drafters wait 38%: use 3 target + 5 drafter GPUs"
+    )
+    assert "balance" not in with_balance({"run_dir": str(tmp_path / "elsewhere")})
