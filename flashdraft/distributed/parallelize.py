@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -120,12 +121,18 @@ def apply_data_parallel(
     if kind == "none":
         return DataParallel("none", drafter)
     if kind == "ddp":
+        # RoPE's inv_freq is a constant: no buffer collective in the forward (the argument's name changed)
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
         ddp = _DDP(
             drafter,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group,
-            forward_sync_buffers=False,  # RoPE's inv_freq is a constant: no collective in the forward
             gradient_as_bucket_view=True,
+            **no_buffer_sync,
         )
         ddp.register_comm_hook(group, _sum_in_fp32)
         return DataParallel("ddp", ddp)
@@ -144,7 +151,10 @@ def apply_data_parallel(
         fully_shard(drafter, mesh=mesh, mp_policy=policy)
         for module in (*drafter.layers, drafter):  # each sharded module reduces its own parameters
             module.set_gradient_divide_factor(1.0)  # a sum: the loss is already divided by the global weight
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.12; NCCL has PREMUL_SUM
+                module.set_force_sum_reduction_for_comms(
+                    True
+                )  # plain SUM collectives (gloo has no PREMUL_SUM)
         return DataParallel("fsdp", drafter)
     raise FlashdraftError(f"distributed.data_parallel must be auto, ddp or fsdp, got {kind!r}")
 
