@@ -412,7 +412,8 @@ def torchrun_bench(argv: list[str]) -> int:
             result[f"{side}_waiting_share"] = statistics.median(
                 r[f"balance/{side}_waiting_share"] for r in measured
             )
-        result["balanced_split"] = measured[-1].get("balance/balanced_split")
+        splits = [r["balance/balanced_split"] for r in measured if r.get("balance/balanced_split")]
+        result["balanced_split"] = splits[-1] if splits else None
     print(json.dumps(result, indent=1))
     if args.out:
         atomic_write_json(args.out, result, indent=2)
