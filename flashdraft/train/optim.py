@@ -286,3 +286,21 @@ def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, comp
         return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
     update = torch.compile(adamw_update, fullgraph=True, dynamic=True) if compile else adamw_update
     return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)
+
+
+def named_optimizer_state(state: dict, names: list[str]) -> dict:
+    """torch AdamW's state dict (parameters by position) keyed by parameter name instead: the layout FSDP2's
+    full optimizer state dict uses (docs/distributed.md), so a checkpoint moves between the two."""
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def positional_optimizer_state(state: dict, names: list[str]) -> dict:
+    """The inverse of `named_optimizer_state`."""
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }

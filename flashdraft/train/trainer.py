@@ -86,7 +86,7 @@ from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import Objective
-from flashdraft.train.optim import make_optimizer
+from flashdraft.train.optim import make_optimizer, named_optimizer_state, positional_optimizer_state
 from flashdraft.train.resume import check_resume_config
 from flashdraft.train.window import LogWindow
 
@@ -333,18 +333,23 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     optimizer_layout = "sharded" if parallel.sharded else "replicated"
     if resume_from is not None:
         state = resume_from.state
-        layout = state.get("optimizer_layout", "replicated")
-        if layout != optimizer_layout:
-            raise FlashdraftError(
-                f"train.resume: {resume_from.path} holds a {layout} optimizer state and this run keeps a "
-                f"{optimizer_layout} one (distributed.data_parallel changed between fsdp and ddp or one process); "
-                "resume with the checkpoint's setting"
-            )
+        layout, optimizer_state = state.get("optimizer_layout", "replicated"), state["optimizer"]
+        if layout != optimizer_layout:  # fsdp <-> ddp or one process: the same state, keyed otherwise
+            if isinstance(optimizer_state.get("state"), list):
+                raise FlashdraftError(
+                    f"train.resume: {resume_from.path} holds bf16 weights with fp32 master weights "
+                    f"(train.master_weights), which cannot move from {layout} to {optimizer_layout} training yet; "
+                    "resume with the checkpoint's distributed.data_parallel"
+                )
+            names = [name for name, _ in drafter.named_parameters()]
+            convert = named_optimizer_state if layout == "replicated" else positional_optimizer_state
+            optimizer_state = convert(optimizer_state, names)
+            say(f"resume: the optimizer state moves from {layout} to {optimizer_layout} training")
         try:
             if parallel.sharded:
-                load_sharded_optimizer(drafter, optimizer, state["optimizer"])
+                load_sharded_optimizer(drafter, optimizer, optimizer_state)
             else:
-                optimizer.load_state_dict(state["optimizer"])
+                optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise FlashdraftError(
                 f"train.resume: the optimizer state in {resume_from.path} does not fit this run "
@@ -482,12 +487,6 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
         bad, stopping = any_rank_flags([non_finite(losses, grad_norm), stop.requested], device, topo)
         step += 1
-        if control is not None:  # the target side learns of a stop here, and reports its clock
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
-            totals = control.exchange(stopping, clock, step)
-            stopping = stopping or totals["stop"] > 0
         if bad:
             optimizer.discard_gradients()  # no weight, moment or schedule update
             skipped += 1
@@ -515,6 +514,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         window.seconds += time.perf_counter() - started
+        if control is not None:  # the target side learns of a stop here, and reports its clock
+            clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
+            totals = control.exchange(stopping, clock, step)
+            stopping = stopping or totals["stop"] > 0
 
         heartbeat.beat(
             "training",

@@ -111,15 +111,22 @@ def test_ranks_equal_one_process_with_the_global_batch(
 CONSTANT_LR = {"train.warmup_ratio": 0, "train.min_lr_ratio": 1.0}
 
 
-@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
-def test_a_checkpoint_resumes_on_another_world_size_on_the_same_trajectory(setup, tmp_path, first, second):
+@pytest.mark.parametrize(
+    "first,second,kind",
+    [(2, 1, "ddp"), (1, 2, "ddp"), (2, 1, "fsdp"), (1, 2, "fsdp")],
+    ids=["2-to-1", "1-to-2", "fsdp-2-to-1", "1-to-fsdp-2"],
+)
+def test_a_checkpoint_resumes_on_another_world_size_on_the_same_trajectory(
+    setup, tmp_path, first, second, kind
+):
     straight = tmp_path / "straight"
     _train(setup, straight, 1, **CONSTANT_LR, **{"train.batch_size": 4, "train.max_steps": 6})
     out = tmp_path / "resumed"
-    _train(setup, out, first, **CONSTANT_LR, **{"train.batch_size": 4 // first, "train.max_steps": 3})
-    proc = _train(
-        setup, out, second, **CONSTANT_LR, **{"train.batch_size": 4 // second, "train.max_steps": 6}
-    )
+    with_kind = {**CONSTANT_LR, "distributed.data_parallel": kind}
+    _train(setup, out, first, **with_kind, **{"train.batch_size": 4 // first, "train.max_steps": 3})
+    proc = _train(setup, out, second, **with_kind, **{"train.batch_size": 4 // second, "train.max_steps": 6})
+    if kind == "fsdp":  # fsdp's optimizer state is keyed by parameter name, one process's by position
+        assert "the optimizer state moves from" in proc.stdout
     assert f"{first} -> {second} ranks with the same global micro-batch" in proc.stdout
     assert "resumed from" in proc.stdout and "step-00000003" in proc.stdout
     _assert_same(_curve(straight), _curve(out), [4, 5, 6])
