@@ -271,9 +271,10 @@ def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None,
 def cmd_launch(args: argparse.Namespace) -> int:
     import json
 
-    from flashdraft.run.launcher import launch
+    from flashdraft.run.launcher import check_nodes, launch
 
     path, overrides = _split_config(args.config, args.overrides)
+    nodes = check_nodes(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
     if args.resume is not None and path is not None:
         raise FlashdraftError(
             f"--resume {args.resume}: a resumed run keeps its own config; give key=value overrides only, "
@@ -298,6 +299,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         doctor=not args.skip_doctor,
         nproc_per_node=args.nproc_per_node,
         resume=args.resume,
+        nodes=nodes,
     )
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -570,6 +572,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
     p.add_argument(
         "--nproc-per-node", type=int, default=1, help="data-parallel processes (one per GPU) through torchrun"
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="nodes of a multi-node run (launch once on each node)"
+    )
+    p.add_argument(
+        "--node-rank", type=int, default=None, help="this node's rank, 0 .. nnodes-1 (multi-node runs)"
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address and a free port, the same on every node (multi-node runs)",
     )
     p.add_argument(
         "--resume",

@@ -161,6 +161,38 @@ class TrainConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """How several processes (one per GPU, started by torchrun / `flashdraft launch --nproc-per-node`)
+    share the training (docs/distributed.md)."""
+
+    data_parallel: str = doc(
+        "auto",
+        "With more than one process: 'ddp' (replicated drafter, bucketed gradient all-reduce overlapped with "
+        "the backward), 'fsdp' (FSDP2: fp32 parameter and optimizer shards, bf16 compute, fp32 reduction) or "
+        "'auto' (ddp). One process needs neither.",
+    )
+    timeout_minutes: float = doc(
+        30.0,
+        "A collective that waits longer than this (a dead or hung rank) fails the whole job, naming the rank.",
+    )
+    mode: str = doc(
+        "colocated",
+        "'colocated': every process runs the target and a drafter replica. 'split': target ranks only run the "
+        "target and send its features to drafter ranks, which train (data-parallel among themselves).",
+    )
+    target_ranks: int | list[int] = doc(
+        1,
+        "With mode=split, per node: how many processes run the target (the node's last local ranks), or the "
+        "list of their local ranks (not 0: rank 0 trains the drafter).",
+    )
+    max_in_flight: int = doc(
+        2,
+        "With mode=split: optimizer steps of features the target side may run ahead of the drafters "
+        "(2: double buffering); a slower side makes the other wait.",
+    )
+
+
+@dataclass
 class Sampling:
     """How answers are generated, by `prepare --regenerate` and `eval` alike: declared once, and the CLI
     makes both commands' flags from these fields."""
@@ -180,6 +212,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -461,6 +494,22 @@ def validate(config: Config) -> None:
         (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
         (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
         (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
+        (
+            config.distributed.data_parallel in ("auto", "ddp", "fsdp"),
+            f"distributed.data_parallel must be auto, ddp or fsdp, got {config.distributed.data_parallel!r}",
+        ),
+        (
+            config.distributed.timeout_minutes > 0,
+            f"distributed.timeout_minutes must be positive, got {config.distributed.timeout_minutes}",
+        ),
+        (
+            config.distributed.mode in ("colocated", "split"),
+            f"distributed.mode must be colocated or split, got {config.distributed.mode!r}",
+        ),
+        (
+            config.distributed.max_in_flight >= 1,
+            f"distributed.max_in_flight must be at least 1, got {config.distributed.max_in_flight}",
+        ),
     ]
     for ok, message in checks:
         if not ok:

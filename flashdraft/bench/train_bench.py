@@ -242,6 +242,8 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and any(a.startswith("--nproc-per-node") for a in argv):  # several GPUs: the real trainer
+        return torchrun_bench(argv)
     if argv and "--data" in argv:  # real shards, packing on and off (docs/packing.md)
         from flashdraft.bench.packing_bench import main as bench_data_steps
 
@@ -307,4 +309,120 @@ def main(argv: list[str] | None = None) -> int:
         print("      breakdown:", r["breakdown_ms"], "| warmup", r["warmup_s"], "s")
     if args.out:
         atomic_write_json(args.out, report, indent=2)
+    return 0
+
+
+# --------------------------------------------------------------------------- several GPUs (torchrun)
+
+
+def torchrun_bench(argv: list[str]) -> int:
+    """`flashdraft bench train --nproc-per-node N [--mode colocated|split] ...`: the real trainer under torchrun
+    (docs/distributed.md) on a random target of a real model's shape saved once to --workdir and random
+    token data of the chosen shape; reports samples/s per GPU and, for a split topology, each side's
+    busy and waiting shares (the trainer's balance report)."""
+    import itertools
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="flashdraft bench train --nproc-per-node N")
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--mode", choices=["colocated", "split"], default="colocated")
+    parser.add_argument("--target-ranks", type=int, default=1, help="split: target GPUs (per node)")
+    parser.add_argument("--data-parallel", choices=["auto", "ddp", "fsdp"], default="auto")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="a")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--drafter-layers", type=int, default=5)
+    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b")
+    parser.add_argument("--target-layers", type=int, default=None)
+    parser.add_argument("--workdir", default="bench-train-work", help="the saved random target and the runs")
+    parser.add_argument("--out", default=None, help="write results JSON here")
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    work = Path(args.workdir)
+    target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
+    if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
+        model = build_random_target(
+            args.target, device="cpu", dtype=torch.bfloat16, num_layers=args.target_layers
+        )
+        model.save_pretrained(target_dir)
+        del model
+    trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
+    steps = args.steps + args.warmup
+    data = work / f"data-{args.shape}.jsonl"
+    vocab = TARGETS[args.target]["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    with data.open("w") as f:  # exactly the samples the run draws: one epoch
+        for _ in range(steps * shape["batch"] * trainers):
+            ids = torch.randint(0, vocab - 300, (shape["seq"],), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (shape["seq"] - 64)}) + "\n")
+    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}"
+    overrides = {
+        "model.target": target_dir,
+        "model.num_layers": args.drafter_layers,
+        "model.block_size": 16,
+        "model.mask_token_id": MASK_TOKEN_IDS[args.target],
+        "data.train": f"[{data}]",
+        "data.max_length": shape["seq"],
+        "train.out_dir": run,
+        "train.resume": "never",
+        "train.batch_size": shape["batch"],
+        "train.num_anchors": shape["anchors"],
+        "train.max_steps": steps,
+        "train.log_every": 1,
+        "train.save_every": 10**9,
+        "train.keep_last": 1,
+        "distributed.mode": args.mode,
+        "distributed.target_ranks": args.target_ranks,
+        "distributed.data_parallel": args.data_parallel,
+    }
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}",
+    ]
+    cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
+    print(" ".join(map(str, cmd)), flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        print(f"flashdraft bench train: the run failed (exit {proc.returncode})")
+        return proc.returncode
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["kind"] == "train"]
+    seconds = [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup]
+    step_s = statistics.median(seconds)
+    samples_per_s = shape["batch"] * trainers / step_s
+    result = {
+        **provenance("train-torchrun", argv),
+        "mode": args.mode,
+        "gpus": args.nproc_per_node,
+        "target_gpus": args.target_ranks if args.mode == "split" else None,
+        "data_parallel": args.data_parallel,
+        "shape": {"name": args.shape, **shape},
+        "target": args.target,
+        "step_seconds_median": round(step_s, 4),
+        "samples_per_s": round(samples_per_s, 3),
+        "samples_per_s_per_gpu": round(samples_per_s / args.nproc_per_node, 3),
+        "tflops_drafter_median": statistics.median(r["tflops"] for r in rows if r["step"] > args.warmup),
+    }
+    measured = [r for r in rows if r["step"] > args.warmup and "balance/target_waiting_share" in r]
+    if measured:
+        for side in ("target", "drafter"):
+            result[f"{side}_waiting_share"] = statistics.median(
+                r[f"balance/{side}_waiting_share"] for r in measured
+            )
+        splits = [r["balance/balanced_split"] for r in measured if r.get("balance/balanced_split")]
+        result["balanced_split"] = splits[-1] if splits else None
+    print(json.dumps(result, indent=1))
+    if args.out:
+        atomic_write_json(args.out, result, indent=2)
     return 0

@@ -8,16 +8,28 @@ and the compiled BlockMask builder, under compile settings that make every silen
 error. `Placement.compiled` tells the loss and the optimizer to compile their own kernels. Compilation
 happens on the calling (main) thread of a process that owns one GPU: torch.compile is not thread-safe,
 and a racing or failed compile must never fall back silently to dense attention (docs/processes.md).
+
+With several processes, data parallelism is applied last, from outside (docs/distributed.md): DDP
+(bucketed all-reduce overlapped with the backward, summed in fp32) or FSDP2 (`fully_shard` per drafter
+layer, then the root; fp32 parameter shards are the master weights, bf16 compute by its
+MixedPrecisionPolicy, fp32 reduction). The drafter and the loss know nothing of it; `DataParallel` is
+what the trainer calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from flashdraft.errors import FlashdraftError
@@ -29,6 +41,163 @@ from flashdraft.model.drafter import DFlashDraftModel
 RECOMPILES_PER_LAYER = 8
 
 
+class _DDP(DistributedDataParallel):
+    """DDP that also answers the drafter's own attributes (spec, layer_kinds): the objective calls it as it
+    would call the drafter."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
+def _sum_in_fp32(group, bucket):  # no annotations: DDP checks them, and these would be strings
+    """DDP comm hook: sum (not average: the loss is already divided by the global weight) in fp32, so bf16
+    gradients of N ranks lose no more than one rounding."""
+    buffer = bucket.buffer()
+    wide = buffer if buffer.dtype == torch.float32 else buffer.float()
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+    def write_back(fut: torch.futures.Future) -> torch.Tensor:
+        summed = fut.value()[0]
+        if summed is buffer:
+            return buffer
+        return buffer.copy_(summed)
+
+    return future.then(write_back)
+
+
+@dataclass
+class DataParallel:
+    """How the drafter's gradients meet across ranks. `module` is what the objective calls: the drafter
+    itself (one process, or the manual all-reduce), a DDP wrapper, or the drafter sharded in place by FSDP2.
+    `reduces_gradients`: the backward of a synced micro-batch already summed the gradients over ranks."""
+
+    kind: str  # "none", "ddp" or "fsdp"
+    module: nn.Module
+
+    @property
+    def reduces_gradients(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "fsdp"
+
+    @contextlib.contextmanager
+    def sync(self, enabled: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradients are reduced only when `enabled` (the
+        step's last micro-batch); the others accumulate locally."""
+        if self.kind == "ddp" and not enabled:
+            with self.module.no_sync():
+                yield
+        elif self.kind == "fsdp":
+            self.module.set_requires_gradient_sync(enabled)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+        else:
+            yield
+
+
+def resolve_data_parallel(setting: str, world_size: int) -> str:
+    """`distributed.data_parallel` for this world: 'none' for one process, 'auto' means ddp (the drafter is
+    small next to the target: a replica and its optimizer state fit beside it)."""
+    if world_size == 1:
+        return "none"
+    return "ddp" if setting == "auto" else setting
+
+
+def apply_data_parallel(
+    drafter: DFlashDraftModel,
+    kind: str,
+    device: torch.device,
+    *,
+    bf16_compute: bool,
+    group: dist.ProcessGroup | None = None,
+) -> DataParallel:
+    if kind == "none":
+        return DataParallel("none", drafter)
+    if kind == "ddp":
+        # RoPE's inv_freq is a constant: no buffer collective in the forward (the argument's name changed)
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
+        ddp = _DDP(
+            drafter,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=group,
+            gradient_as_bucket_view=True,
+            **no_buffer_sync,
+        )
+        ddp.register_comm_hook(group, _sum_in_fp32)
+        return DataParallel("ddp", ddp)
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16_compute
+            else MixedPrecisionPolicy()
+        )
+        for layer in drafter.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(drafter, mesh=mesh, mp_policy=policy)
+        for module in (*drafter.layers, drafter):  # each sharded module reduces its own parameters
+            module.set_gradient_divide_factor(1.0)  # a sum: the loss is already divided by the global weight
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.12; NCCL has PREMUL_SUM
+                module.set_force_sum_reduction_for_comms(
+                    True
+                )  # plain SUM collectives (gloo has no PREMUL_SUM)
+        return DataParallel("fsdp", drafter)
+    raise FlashdraftError(f"distributed.data_parallel must be auto, ddp or fsdp, got {kind!r}")
+
+
+def full_state_dicts(
+    data_parallel: DataParallel,
+    drafter: DFlashDraftModel,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The whole drafter's (and optimizer's) state, independent of the world size that trained it.
+    Sharded: a collective (every rank calls it) that lands the state on the CPU of the main rank alone (the
+    others get empty dicts); the optimizer state is keyed by parameter name."""
+    if not data_parallel.sharded:
+        return drafter.state_dict(), None if optimizer is None else optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(drafter, options=options)
+    if optimizer is None:
+        return weights, None
+    return weights, get_optimizer_state_dict(drafter, optimizer, options=options)
+
+
+def load_sharded_optimizer(drafter: DFlashDraftModel, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Scatter a full, name-keyed optimizer state (as `full_state_dicts` returns it) onto this rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(drafter, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def unsharded_copy(drafter: DFlashDraftModel, state: dict[str, torch.Tensor]) -> DFlashDraftModel:
+    """A plain drafter holding `state` (no allocation beyond it: built on the meta device, then assigned),
+    for writing a sharded drafter in the export format."""
+    with torch.device("meta"):
+        copy = DFlashDraftModel(drafter.config)
+    copy.load_state_dict(state, assign=True)
+    return copy
+
+
 @dataclass
 class Placement:
     device: torch.device
@@ -38,6 +207,7 @@ class Placement:
     param_dtype: torch.dtype  # the drafter's weights; below fp32, the optimizer keeps fp32 master weights
     create_block_mask: Callable | None
     pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
+    data_parallel: DataParallel  # what the objective calls, and how gradients meet across ranks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -47,6 +217,12 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlashdraftError(f"train.device={name}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver?)")
     return device
+
+
+def pad_multiple(compiled: bool) -> int:
+    """Sequence lengths are padded to this so compiled shapes repeat (the split topology's target side
+    pads alike, so both sides collate the same shapes)."""
+    return 256 if compiled else 1
 
 
 def guard_compile(num_layers: int) -> None:
@@ -69,7 +245,10 @@ def parallelize(
     activation_checkpointing: bool = False,
     dtype: str = "auto",
     master_weights: bool = True,
+    data_parallel: str = "none",
+    group: dist.ProcessGroup | None = None,
 ) -> Placement:
+    """`data_parallel` is resolved already ('none', 'ddp' or 'fsdp': `resolve_data_parallel`)."""
     on_gpu = device.type == "cuda"
     attention = ("flex" if on_gpu else "sdpa") if attention == "auto" else attention
     compile = compile and on_gpu
@@ -85,6 +264,11 @@ def parallelize(
         dtype = "bf16" if on_gpu else "fp32"
     autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     param_dtype = torch.bfloat16 if autocast_dtype is not None and master_weights else torch.float32
+    bf16_compute = autocast_dtype is not None
+    if data_parallel == "fsdp":
+        # FSDP2 maps train.master_weights itself: the fp32 parameter shards are the master weights (a plain
+        # AdamW updates them), its MixedPrecisionPolicy gathers them as bf16 for compute and reduces in fp32.
+        param_dtype, autocast_dtype = torch.float32, None
 
     drafter.to(device)
     for param in drafter.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
@@ -102,6 +286,7 @@ def parallelize(
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 
         create_block_mask = torch.compile(_create_block_mask)
+    parallel = apply_data_parallel(drafter, data_parallel, device, bf16_compute=bf16_compute, group=group)
     return Placement(
         device,
         attention,
@@ -109,5 +294,6 @@ def parallelize(
         autocast_dtype,
         param_dtype,
         create_block_mask,
-        pad_multiple=256 if compile else 1,
+        pad_multiple=pad_multiple(compile),
+        data_parallel=parallel,
     )

@@ -19,9 +19,13 @@ from flashdraft.errors import FlashdraftError
 
 @dataclass(frozen=True)
 class Topology:
+    """The ranks that train the drafter together: all of them (colocated), or the drafter ranks of a split
+    topology, then with their own process group and `rank` counted among them."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    group: dist.ProcessGroup | None = None  # None: the whole world
 
     @property
     def is_main(self) -> bool:
@@ -59,11 +63,16 @@ def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topo
     return topo, device
 
 
+def local_world_size() -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
 def all_reduce_sum(values: list[float], device: torch.device, topo: Topology) -> list[float]:
     if not topo.distributed:
         return values
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=topo.group)
     return tensor.tolist()
 
 
@@ -72,7 +81,7 @@ def sum_gradients(grads: list[torch.Tensor], topo: Topology) -> None:
     if not topo.distributed:
         return
     for grad in grads:
-        dist.all_reduce(grad)
+        dist.all_reduce(grad, group=topo.group)
 
 
 def any_rank(flag: bool, device: torch.device, topo: Topology) -> bool:
@@ -80,17 +89,18 @@ def any_rank(flag: bool, device: torch.device, topo: Topology) -> bool:
     if not topo.distributed:
         return flag
     tensor = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=topo.group)
     return bool(tensor.item())
 
 
 def barrier(topo: Topology) -> None:
-    if topo.distributed:
+    """Every process of the world (target ranks too), not only the topology's group."""
+    if dist.is_initialized():
         dist.barrier()
 
 
 def shutdown(topo: Topology) -> None:
-    if topo.distributed and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -99,5 +109,5 @@ def any_rank_flags(flags: list[torch.Tensor | bool], device: torch.device, topo:
     sync in all (a flag computed on the device, e.g. a finiteness check, is not read on its own)."""
     tensor = torch.stack([torch.as_tensor(f, device=device).reshape(()).float() for f in flags])
     if topo.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=topo.group)
     return [v > 0 for v in tensor.tolist()]

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,56 @@ def _fail(run_dir: Path, log, message: str, kind: str | None = None) -> dict[str
     return run_state(run_dir)
 
 
-def _job_cmd(python: str, run_dir: Path, nproc_per_node: int) -> list[str]:
+@dataclass(frozen=True)
+class Nodes:
+    """Where this node stands in a multi-node run: torchrun's static rendezvous (docs/distributed.md)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0, reachable from every node
+
+    def torchrun_args(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone"]
+        host, port = self.rdzv_endpoint.rsplit(":", 1)
+        return [
+            f"--nnodes={self.nnodes}",
+            f"--node-rank={self.node_rank}",
+            f"--master-addr={host.strip('[]')}",
+            f"--master-port={port}",
+        ]
+
+
+def check_nodes(nproc_per_node: int, nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> Nodes:
+    """The launch flags of a (multi-node) run, checked before anything is created; errors name the flag."""
+    if nproc_per_node < 1:
+        raise FlashdraftError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    if nnodes < 1:
+        raise FlashdraftError(f"--nnodes must be at least 1, got {nnodes}")
+    if nnodes == 1:
+        if node_rank not in (None, 0) or rdzv_endpoint is not None:
+            raise FlashdraftError(
+                "--node-rank and --rdzv-endpoint are for multi-node runs: give --nnodes N (N > 1) as well"
+            )
+        return Nodes()
+    if node_rank is None or not 0 <= node_rank < nnodes:
+        raise FlashdraftError(
+            f"--node-rank must be given for --nnodes {nnodes}, from 0 to {nnodes - 1} (0 on the node that "
+            f"--rdzv-endpoint names), got {node_rank}"
+        )
+    if rdzv_endpoint is None:
+        raise FlashdraftError(f"--nnodes {nnodes}: --rdzv-endpoint HOST:PORT (node 0's address) is required")
+    host, _, port = rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise FlashdraftError(
+            f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT with a port from 1 to 65535, e.g. node0:29500"
+        )
+    return Nodes(nnodes, node_rank, rdzv_endpoint)
+
+
+def _job_cmd(python: str, run_dir: Path, nproc_per_node: int, nodes: Nodes = Nodes()) -> list[str]:
     train = [ENTRY, "flashdraft", "train", str(run_dir / "config.yaml")]
-    if nproc_per_node > 1:  # one process per GPU; torchrun keeps per-rank logs in the run directory
+    if nproc_per_node > 1 or nodes.nnodes > 1:  # one process per GPU; per-rank logs in the run directory
         return [
             python,
             "-X",
@@ -103,7 +151,7 @@ def _job_cmd(python: str, run_dir: Path, nproc_per_node: int) -> list[str]:
             "-u",
             ENTRY,
             "torch.distributed.run",
-            "--standalone",
+            *nodes.torchrun_args(),
             f"--nproc-per-node={nproc_per_node}",
             f"--log-dir={run_dir / 'torchrun'}",
             "--redirects=3",
@@ -167,6 +215,7 @@ def launch(
     doctor: bool = True,
     nproc_per_node: int = 1,
     resume: str | None = None,
+    nodes: Nodes = Nodes(),
 ) -> dict[str, Any]:
     env = dict(env or {})
     cwd = Path.cwd()
@@ -183,6 +232,8 @@ def launch(
         env = {**previous.get("env", {}), **env}
         python = python or previous.get("python")
         nproc_per_node = int(previous.get("nproc_per_node", nproc_per_node))
+        if "nodes" in previous:  # a resumed node rejoins the same world
+            nodes = Nodes(**previous["nodes"])
         cwd = Path(previous.get("cwd") or cwd)  # relative paths in its config meant the first launch's
     else:
         root = runs_root(runs_dir)
@@ -212,9 +263,10 @@ def launch(
         "host": socket.gethostname(),
         "boot_id": boot_id(),
         "git_commit": git_commit(cwd),
-        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node),
+        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node, nodes),
         "stall_seconds": stall_seconds,
         "nproc_per_node": nproc_per_node,
+        "nodes": {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "rdzv_endpoint": nodes.rdzv_endpoint},
         "env": {
             **{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
             **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")},

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.run.monitor import find_run, gpu_usage, list_runs, run_state, runs_root
+from flashdraft.run_protocol import rank_dir, read_json
 
 STATE_STYLE = {
     "training": "green",
@@ -32,9 +33,27 @@ def _progress(info: dict) -> str:
     return f"{info['step']}{total} ep {info.get('epoch', 0)}{eta}"
 
 
+def with_balance(info: dict) -> dict:
+    """Add the split topology's balance report (docs/distributed.md), as rank 0's heartbeat last carried it:
+    each side's samples/s per GPU, busy and waiting shares, and the split that would balance them."""
+    heartbeat = read_json(rank_dir(info["run_dir"], 0) / "heartbeat.json") if info.get("run_dir") else None
+    if heartbeat and heartbeat.get("balance"):
+        info["balance"] = heartbeat["balance"]
+    return info
+
+
+def balance_line(report: dict) -> str:
+    sides = ", ".join(
+        f"{side} {report[f'{side}_samples_per_s_per_gpu']:.1f} samples/s/GPU, busy "
+        f"{report[f'{side}_busy_share']:.0%} waiting {report[f'{side}_waiting_share']:.0%}"
+        for side in ("target", "drafter")
+    )
+    return f"balance: {sides}" + (f"; {report['advice']}" if report.get("advice") else "")
+
+
 def show_status(run: str | None, *, runs_dir: str | None = None, as_json: bool = False) -> int:
     runs = [find_run(run, runs_dir)] if run else list_runs(runs_root(runs_dir))
-    infos = [run_state(r) for r in runs]
+    infos = [with_balance(run_state(r)) for r in runs]
     gpus = gpu_usage()
     if as_json:
         print(json.dumps(infos[0] if run else {"runs": infos, "gpus": gpus}, indent=1, default=str))
@@ -70,6 +89,8 @@ def show_status(run: str | None, *, runs_dir: str | None = None, as_json: bool =
             console.print(
                 f"exit: {'signal ' + info['signal'] if info.get('signal') else 'code ' + str(info['exit_code'])}"
             )
+        if info.get("balance"):
+            console.print(balance_line(info["balance"]), soft_wrap=True)
         for line in info.get("evidence") or []:
             console.print(f"evidence: {line}")
         console.print(f"last log line: {info['last_log_line']}")

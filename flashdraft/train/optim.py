@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -29,6 +30,13 @@ MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 def global_norm(grads: list[Tensor]) -> Tensor:
     """The L2 norm of all gradients together, accumulated in fp32 (a device scalar: no sync)."""
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def sharded_norm(grads: list[DTensor]) -> Tensor:
+    """The L2 norm of whole gradients held as FSDP2 shards: the shards' squared norms summed over the mesh."""
+    squares = global_norm([g.to_local() for g in grads]).square()
+    torch.distributed.all_reduce(squares, group=grads[0].device_mesh.get_group())
+    return squares.sqrt()
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -53,10 +61,14 @@ class ClippedAdamW(torch.optim.AdamW):
         return _ensure_grads(_params(self))
 
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the gradients (a device scalar: no sync)."""
+        """The global L2 norm of the gradients (a device scalar: no sync). Over FSDP2 shards (DTensors) the
+        norm of the whole: the shards' norms meet in one all-reduce."""
+        grads = self.gradients()
+        if isinstance(grads[0], DTensor):
+            return sharded_norm(grads)
         if not self.defaults.get("fused"):
-            return torch.nn.utils.get_total_norm(self.gradients())  # what clip_grad_norm_ computes
-        return global_norm(self.gradients())
+            return torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes
+        return global_norm(grads)
 
     def clip_and_step(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
         """Clip gradients to `max_norm` (global L2 norm), step, and return the pre-clip norm (a tensor: no sync).
@@ -64,7 +76,13 @@ class ClippedAdamW(torch.optim.AdamW):
         params = _params(self)
         norm = self.grad_norm() if norm is None else norm
         if not self.defaults.get("fused"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            if isinstance(
+                params[0], DTensor
+            ):  # the same factor clip_grads_with_norm_ applies, shard by shard
+                factor = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+                torch._foreach_mul_([p.grad for p in params if p.grad is not None], factor)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             self.step()
             return norm
         self.grad_scale = torch.clamp(norm / max_norm, min=1.0).float()  # the fused kernel divides by it
@@ -127,6 +145,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.update = update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
+        # The step's gradients once gathered (fp32 sums or the params' own .grad), reused by grad_norm(),
+        # the all-reduce and step() until the next micro-batch, step or discard: gathered once per step.
+        self._gathered: list[Tensor] | None = None
+        self._gathered_fp32 = False
         for p in _params(self):  # allocated now: an out-of-memory shows at start-up, not at the first step
             self.state[p].update(
                 master=p.detach().float().clone(),
@@ -136,6 +158,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def accumulate_gradients(self) -> None:
         """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
+        self._gathered = None
         for p in _params(self):
             if p.grad is None:
                 continue
@@ -149,14 +172,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def gradients(self, fp32: bool = False) -> list[Tensor]:
         """The step's gradients: fp32 sums if anything was accumulated (or `fp32`, e.g. before an
         all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
+        if self._gathered is not None and (self._gathered_fp32 or not fp32):
+            return self._gathered
         params = _params(self)
         if fp32 or any("grad_sum" in self.state[p] for p in params):
-            for p in params:  # a parameter without any gradient gets zeros, so ranks agree
-                if p.grad is None and "grad_sum" not in self.state[p]:
-                    p.grad = torch.zeros_like(p)
             self.accumulate_gradients()
-            return [self.state[p]["grad_sum"] for p in params]
-        return _ensure_grads(params)
+            for p in params:  # a parameter without any gradient gets fp32 zeros, so ranks agree
+                if "grad_sum" not in self.state[p]:
+                    self.state[p]["grad_sum"] = torch.zeros_like(p, dtype=torch.float32)
+            self._gathered, self._gathered_fp32 = [self.state[p]["grad_sum"] for p in params], True
+        else:
+            self._gathered, self._gathered_fp32 = _ensure_grads(params), False
+        return self._gathered
 
     def grad_norm(self) -> Tensor:
         """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync)."""
@@ -164,6 +191,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def discard_gradients(self) -> None:
         """Drop the step's gradients, fp32 sums included (after a step, or instead of a skipped one)."""
+        self._gathered = None
         for p in _params(self):
             p.grad = None
             self.state[p].pop("grad_sum", None)
@@ -211,6 +239,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 )
                 state.pop("grad_sum", None)
                 i += 1
+        self._gathered = None
 
     def state_dict(self) -> dict:
         return {
@@ -252,6 +281,26 @@ def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, comp
     whose per-tensor update is compiled with `compile` (one fused kernel per tensor; dynamic shapes, so one
     compile serves every parameter's size)."""
     if all(p.dtype == torch.float32 for p in params):
-        return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=params[0].device.type == "cuda")
+        # FSDP2's shards (DTensors) take the foreach kernels: the fused one's grad_scale is a plain tensor
+        fused = params[0].device.type == "cuda" and not isinstance(params[0], DTensor)
+        return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
     update = torch.compile(adamw_update, fullgraph=True, dynamic=True) if compile else adamw_update
     return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)
+
+
+def named_optimizer_state(state: dict, names: list[str]) -> dict:
+    """torch AdamW's state dict (parameters by position) keyed by parameter name instead: the layout FSDP2's
+    full optimizer state dict uses (docs/distributed.md), so a checkpoint moves between the two."""
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def positional_optimizer_state(state: dict, names: list[str]) -> dict:
+    """The inverse of `named_optimizer_state`."""
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }

@@ -1,7 +1,7 @@
 """Whether a checkpoint may be continued with this run's settings (docs/training-safety.md).
 
 A checkpoint records the resolved config and the world size of the run that wrote it. Resuming with
-settings that change the trajectory (learning rate, anchors, γ, batch size, world size, data...) would
+settings that change the trajectory (learning rate, anchors, γ, global batch, data...) would
 silently continue another run, so it is refused with the list of differences, unless
 `train.resume_allow_changes` says it is meant. Settings that only change how the run is watched or
 executed are exempt, and `train.max_steps` / `train.epochs` may grow: a longer run (its cosine schedule
@@ -32,6 +32,11 @@ EXEMPT = frozenset(
         "train.compile",
         "train.activation_checkpointing",
         "train.loss_chunk",
+        "distributed.timeout_minutes",
+        "distributed.data_parallel",  # only rounding differs; the optimizer state's layout is checked apart
+        "distributed.mode",  # with target_ranks: how many ranks train, checked as the global micro-batch
+        "distributed.target_ranks",
+        "distributed.max_in_flight",
     }
 )
 # Keys that may grow: the run goes on longer. 0 means "no step limit" for max_steps.
@@ -68,14 +73,26 @@ def check_resume_config(
     old, new = flatten(saved), flatten(config)
     changes, longer = [], []
     for key in sorted(set(old) | set(new)):
-        if key in EXEMPT or old.get(key) == new.get(key):
+        if key in EXEMPT or key == "train.batch_size" or old.get(key) == new.get(key):
             continue
         if key in MAY_GROW and _grows(key, old.get(key), new.get(key)):
             longer.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
             continue
         changes.append(f"{key} {old.get(key)!r} -> {new.get(key)!r}")
-    if saved_world_size != world_size:
-        changes.append(f"world size {saved_world_size} -> {world_size}")
+    # The world size may change: the sampler's position counts samples of the global order, and each
+    # micro-batch takes the next train.batch_size x ranks of them (docs/distributed.md). What must not
+    # change is that product, the global micro-batch.
+    old_batch, new_batch = old.get("train.batch_size"), new.get("train.batch_size")
+    if old_batch * saved_world_size != new_batch * world_size:
+        changes.append(
+            f"global micro-batch (train.batch_size x ranks) {old_batch} x {saved_world_size} -> "
+            f"{new_batch} x {world_size}"
+        )
+    elif saved_world_size != world_size:
+        log(
+            f"resume: {saved_world_size} -> {world_size} ranks with the same global micro-batch "
+            f"({old_batch} x {saved_world_size} = {new_batch} x {world_size}): the same trajectory"
+        )
     if longer:
         log(f"resume: a longer run ({'; '.join(longer)}): the schedule now spans the new total")
     if not changes:

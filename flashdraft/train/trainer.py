@@ -8,6 +8,7 @@ you, resume refused on changed settings) are in docs/training-safety.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from flashdraft.config import (
@@ -38,12 +40,30 @@ from flashdraft.data.tokens import (
     iterate_batches,
     load_token_dataset,
 )
-from flashdraft.distributed.parallelize import parallelize
+from flashdraft.distributed.parallelize import (
+    full_state_dicts,
+    load_sharded_optimizer,
+    pad_multiple,
+    parallelize,
+    resolve_data_parallel,
+    unsharded_copy,
+)
+from flashdraft.distributed.split import (
+    Control,
+    FeatureReceiver,
+    SideClock,
+    SplitRoles,
+    balance,
+    micro_share,
+    split_roles,
+)
 from flashdraft.distributed.topology import (
+    Topology,
     all_reduce_sum,
     any_rank_flags,
     barrier,
     init_topology,
+    local_world_size,
     shutdown,
     sum_gradients,
 )
@@ -60,15 +80,16 @@ from flashdraft.model.drafter_dir import (
     save_drafter,
 )
 from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
-from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
+from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
+from flashdraft.train.feature_server import serve_features
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss, selector_weight
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import Objective
-from flashdraft.train.optim import make_optimizer
+from flashdraft.train.optim import make_optimizer, named_optimizer_state, positional_optimizer_state
 from flashdraft.train.resume import check_resume_config
 from flashdraft.train.window import LogWindow
 
@@ -171,6 +192,11 @@ class _StopRequest:
         self.requested = True
 
 
+def _serves(roles: SplitRoles | None) -> bool:
+    """This rank runs the target for drafter ranks (split topology)."""
+    return roles is not None and roles.is_target
+
+
 def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     t = config.train
     heartbeat = heartbeat or Heartbeat(None)
@@ -178,7 +204,26 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
     # One process per GPU under torchrun; a plain single process otherwise.
-    topo, device = init_topology(t.device)
+    topo, device = init_topology(t.device, config.distributed.timeout_minutes)
+    roles = None
+    if config.distributed.mode == "split":
+        # Target ranks serve features (train/feature_server.py); the drafter ranks are the topology that
+        # trains, with their own process group (docs/distributed.md).
+        if not topo.distributed:
+            raise FlashdraftError(
+                "distributed.mode=split needs at least 2 processes (flashdraft launch --nproc-per-node N)"
+            )
+        roles = split_roles(config.distributed.target_ranks, topo.rank, topo.world_size, local_world_size())
+        group = dist.new_group(list(roles.drafter_ranks))  # every rank takes part in creating it
+        if not roles.is_target:
+            topo = Topology(
+                roles.drafter_ranks.index(topo.rank), len(roles.drafter_ranks), topo.local_rank, group
+            )
+        if t.eval_every:
+            raise FlashdraftError(
+                "train.eval_every: held-out evaluation is not available with distributed.mode=split yet (the "
+                "drafter ranks hold no target); set train.eval_every=0 or use distributed.mode=colocated"
+            )
 
     def say(line: str) -> None:  # the main rank speaks for all
         if topo.is_main:
@@ -194,7 +239,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         for partial in remove_stale_partials(out_dir):
             say(f"removed an incomplete checkpoint left by an earlier run: {partial}")
     # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
-    resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main)
+    resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main and not _serves(roles))
 
     # ------------------------------------------------------------------ target and drafter
     target_config = load_target_config(config.model.target)
@@ -207,17 +252,27 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             resume_from.state["config"],
             resume_from.state["world_size"],
             to_dict(config),
-            topo.world_size,
+            len(roles.drafter_ranks) if roles else topo.world_size,
             allow_changes=t.resume_allow_changes,
             source=str(resume_from.path),
             log=say,
         )
-    if topo.is_main:
+    if topo.is_main and not _serves(roles):
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
     check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
     if config.data.packing and (refusal := packing_refusal(target_config)):
         raise FlashdraftError(refusal)
-    target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
+    if config.data.packing and roles is not None:
+        raise FlashdraftError(
+            "data.packing=true with distributed.mode=split: target ranks do not pack rows yet; "
+            "set data.packing=false or distributed.mode=colocated"
+        )
+    if roles is None or roles.is_target:
+        target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
+    else:  # a drafter rank of a split topology needs only the target's embedding and LM head on its device
+        target = TargetModel.load(config.model.target, spec.target_layer_ids, dtype=default_dtype(device))
+        target.embed_weight = target.embed_weight.to(device)
+        target.lm_head_weight = target.lm_head_weight.to(device)
 
     # ------------------------------------------------------------------ data
     data_kwargs = {
@@ -229,17 +284,37 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
-    # The global batch (samples, or packed rows: docs/packing.md); rank r takes r::world.
+    # The global micro-batch (samples, or packed rows: docs/packing.md); drafter rank r takes r::ranks
+    # (train_ranks: all ranks, or the drafter ranks of a split topology).
+    train_ranks = len(roles.drafter_ranks) if roles else topo.world_size
     if config.data.packing:
         sampler = PackedEpochSampler(
-            train_data.lengths(), t.batch_size * topo.world_size, t.seed, config.data.max_length
+            train_data.lengths(), t.batch_size * train_ranks, t.seed, config.data.max_length
         )
         collate_items = collate_packed
     else:
-        sampler = EpochSampler(len(train_data), t.batch_size * topo.world_size, t.seed)
+        sampler = EpochSampler(len(train_data), t.batch_size * train_ranks, t.seed)
         collate_items = collate
+    # Packed epochs differ by a few rows: each epoch's own count (packing them costs ~1 s per 800K samples).
+    per_step = t.batch_size * t.grad_accum * train_ranks
+    total_steps = t.max_steps or sum(math.ceil(sampler.items(e) / per_step) for e in range(t.epochs))
+    if _serves(roles):
+        return serve_features(
+            config,
+            roles,
+            target,
+            train_data,
+            sampler,
+            resume_from.state if resume_from is not None else None,
+            total_steps,
+            pad_multiple(t.compile and device.type == "cuda"),
+            heartbeat,
+            lambda: stop.requested,
+        )
 
     # ------------------------------------------------------------------ placement and compile (one place)
+    if resume_from is not None:  # before placement: data parallelism starts from the checkpoint's weights
+        drafter.load_state_dict(resume_from.drafter.state_dict())
     placement = parallelize(
         drafter,
         device=device,
@@ -248,7 +323,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         activation_checkpointing=t.activation_checkpointing,
         dtype=t.dtype,
         master_weights=t.master_weights,
+        data_parallel=resolve_data_parallel(config.distributed.data_parallel, topo.world_size),
+        group=topo.group,
     )
+    parallel = placement.data_parallel
     loss_fn = WeightedHeadLoss(
         chunk=t.loss_chunk,
         multiplier=spec.output_multiplier,
@@ -256,24 +334,27 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         lk_eta=t.lk_eta,
         compile=placement.compiled,
     )
-    objective = Objective(
-        drafter,
-        target,
-        num_anchors=t.num_anchors,
-        gamma=t.gamma,
-        loss=loss_fn,
-        anchors=t.anchors,
-        attention=placement.attention,
-        create_block_mask=placement.create_block_mask,
-        autocast_dtype=placement.autocast_dtype,
-        position_weight=t.position_weight,
-        dpace_alpha=t.dpace_alpha,
-    )
+
+    def bind(model) -> Objective:
+        return Objective(
+            model,
+            target,
+            num_anchors=t.num_anchors,
+            gamma=t.gamma,
+            loss=loss_fn,
+            anchors=t.anchors,
+            attention=placement.attention,
+            create_block_mask=placement.create_block_mask,
+            autocast_dtype=placement.autocast_dtype,
+            position_weight=t.position_weight,
+            dpace_alpha=t.dpace_alpha,
+        )
+
+    objective = bind(parallel.module)  # the DDP wrapper, the FSDP-sharded drafter, or the drafter
+    # Evaluation runs on the main rank alone with a replica (no collective), on every rank with shards.
+    eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
-    # Packed epochs differ by a few rows: each epoch's own count (packing them costs ~1 s per 800K samples).
-    per_step = t.batch_size * t.grad_accum * topo.world_size
-    total_steps = t.max_steps or sum(math.ceil(sampler.items(e) / per_step) for e in range(t.epochs))
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
@@ -283,12 +364,28 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
 
     # ------------------------------------------------------------------ resume
     step, best_tau, skipped = 0, -math.inf, 0
+    # FSDP's optimizer state is saved whole and keyed by parameter name; a replica's as torch keeps it.
+    optimizer_layout = "sharded" if parallel.sharded else "replicated"
     if resume_from is not None:
         state = resume_from.state
-        drafter.load_state_dict(resume_from.drafter.state_dict())
+        layout, optimizer_state = state.get("optimizer_layout", "replicated"), state["optimizer"]
+        if layout != optimizer_layout:  # fsdp <-> ddp or one process: the same state, keyed otherwise
+            if isinstance(optimizer_state.get("state"), list):
+                raise FlashdraftError(
+                    f"train.resume: {resume_from.path} holds bf16 weights with fp32 master weights "
+                    f"(train.master_weights), which cannot move from {layout} to {optimizer_layout} training yet; "
+                    "resume with the checkpoint's distributed.data_parallel"
+                )
+            names = [name for name, _ in drafter.named_parameters()]
+            convert = named_optimizer_state if layout == "replicated" else positional_optimizer_state
+            optimizer_state = convert(optimizer_state, names)
+            say(f"resume: the optimizer state moves from {layout} to {optimizer_layout} training")
         try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as exc:
+            if parallel.sharded:
+                load_sharded_optimizer(drafter, optimizer, optimizer_state)
+            else:
+                optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as exc:
             raise FlashdraftError(
                 f"train.resume: the optimizer state in {resume_from.path} does not fit this run "
                 f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
@@ -301,10 +398,14 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         del state
         resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
 
-    def trainer_state() -> dict[str, Any]:
-        return {
+    def checkpoint_parts() -> tuple[DFlashDraftModel, dict[str, Any]]:
+        """The drafter to write and the trainer state; with shards a collective (every rank calls it), and
+        both are whole: a checkpoint does not depend on the world size that wrote it."""
+        weights, optimizer_state = full_state_dicts(parallel, drafter, optimizer)  # whole on the main rank
+        return (unsharded_copy(drafter, weights) if parallel.sharded and topo.is_main else drafter), {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
+            "optimizer_layout": optimizer_layout,
             "scheduler": scheduler.state_dict(),
             "sampler": sampler_state,
             "best_tau": best_tau,
@@ -330,17 +431,36 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     )
     outcome = "finished"
 
-    def draw_step() -> tuple[list[tuple], dict[str, Any]]:
-        """The next step's micro-batches, prepared on the host and queued to the device, and the sampler
-        state after drawing them (what a checkpoint of that step records)."""
+    # Split topology: this drafter rank's features come from its target rank, received ahead of use.
+    receiver = clock = control = None
+    if roles is not None:
+        clock = SideClock()
+        receiver = FeatureReceiver(
+            roles.source_of(roles.rank), config.distributed.timeout_minutes * 60, clock
+        )
+        control = Control(roles, device, config.distributed.timeout_minutes * 60)
+        feature_width = len(spec.target_layer_ids) * target.hidden_size
+    totals_before: dict[str, float] | None = None
+
+    def draw_step(index: int) -> tuple[list[tuple], dict[str, Any]]:
+        """Step `index`'s micro-batches, prepared on the host and queued to the device (their features'
+        receives posted, in a split topology), and the sampler state after drawing them (what a checkpoint
+        of that step records)."""
         micro = []
-        for _ in range(t.grad_accum):
+        for m in range(t.grad_accum):
             epoch, indices = sampler.next_batch()
-            mine = indices[topo.rank :: topo.world_size]
-            if mine:  # at an epoch's end a rank can be left without samples; it still joins the reductions
+            # At an epoch's end a rank can be left without samples. DDP and FSDP need every rank in every
+            # backward: such a rank runs one sample at weight zero (no gradient, no metric, no work).
+            mine, padding = micro_share(indices, topo.rank, topo.world_size)
+            batch = collate_items(train_data, epoch, mine, t.seed, placement.pad_multiple)
+            if receiver is not None:
+                header = [index, m, *batch.input_ids.shape, feature_width]
+                receiver.post(header, target.dtype, device)
+            blocks = objective.blocks(batch)
+            if padding:
+                micro.append((batch.to(device), blocks.to(device), 0.0, None))
+            else:
                 # Anchors, blocks and every count below come from the CPU batch: no device sync in the step.
-                batch = collate_items(train_data, epoch, mine, t.seed, placement.pad_multiple)
-                blocks = objective.blocks(batch)
                 work = (
                     int(blocks.keep.sum()),
                     step_flops(
@@ -357,29 +477,51 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 )
         return micro, sampler.state_dict()
 
-    upcoming = draw_step() if step < total_steps else None
+    pending: collections.deque = collections.deque()
+    next_draw = step
+
+    def draw_ahead(count: int) -> None:
+        nonlocal next_draw
+        while len(pending) < count and next_draw < total_steps:
+            pending.append(draw_step(next_draw))
+            next_draw += 1
+
     while step < total_steps:
         started = time.perf_counter()
-        micro, sampler_state = upcoming
+        waited_before = clock.waiting if clock else 0.0
+        # Split: the receives of the next max_in_flight - 1 steps are posted before this one trains.
+        draw_ahead(config.distributed.max_in_flight if roles else 1)
+        micro, sampler_state = pending.popleft()
         for _, _, _, work in micro:
-            window.add_work(*work)
+            if work is not None:
+                window.add_work(*work)
         # Normalise by the whole step's global Σw so accumulation and data parallelism equal one large batch.
         (total_weight,) = all_reduce_sum([sum(w for _, _, w, _ in micro)], device, topo)
         losses, stats = [], []
         objective.selector_weight = selector_weight(
             step, t.selector_alpha, t.selector_warmup_steps, t.selector_ramp_steps
         )
-        for i, (batch, blocks, _, _) in enumerate(micro):
-            out = objective(batch, blocks)
-            (out.loss_sum / total_weight).backward()
-            if i < len(micro) - 1:
+        for i, (batch, blocks, _, work) in enumerate(micro):
+            last = i == len(micro) - 1
+            features = receiver.take() if receiver is not None else None
+            if clock is not None and work is not None:
+                clock.samples += batch.input_ids.shape[0]
+            with parallel.sync(last):  # DDP/FSDP reduce in the last micro-batch's backward only
+                out = objective(batch, blocks, features=features)
+                # a padding micro-batch weighs 0
+                loss = out.loss_sum / total_weight if work is not None else out.loss_sum * 0.0
+                loss.backward()
+            if not last and not parallel.reduces_gradients:
                 optimizer.accumulate_gradients()  # bf16 gradients are summed in fp32
-            losses.append(out.loss_sum.detach())
-            stats.append(out.stats)
+            if work is not None:
+                losses.append(out.loss_sum.detach())
+                stats.append(out.stats)
         # The next step's batches are read and collated on the host while the GPU runs this step's
         # kernels (queued above, not yet waited for); the order of samples is the same as without it.
-        upcoming = draw_step() if step + 1 < total_steps else None
-        sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
+        if roles is None:
+            draw_ahead(1)
+        if not parallel.reduces_gradients:  # one process: a no-op
+            sum_gradients(optimizer.gradients(fp32=topo.distributed), topo)
         grad_norm = optimizer.grad_norm()
         # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
@@ -412,6 +554,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         window.seconds += time.perf_counter() - started
+        if control is not None:  # the target side learns of a stop here, and reports its clock
+            clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
+            totals = control.exchange(stopping, clock, step)
+            stopping = stopping or totals["stop"] > 0
 
         heartbeat.beat(
             "training",
@@ -434,31 +580,57 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
+            report = {}
+            if control is not None:  # the balance report of the split topology, over this window
+                report = balance(totals, totals_before, len(roles.target_ranks), len(roles.drafter_ranks))
+                totals_before = totals
+                metrics.update({f"balance/{k}": v for k, v in report.items() if k != "advice"})
+                if report.get("advice"):
+                    say(f"balance at step {step}: {report['advice']}")
             if logger is not None:
                 logger.log(step, metrics)
-            heartbeat.beat(loss=metrics["loss"], tau=metrics["tau"], tflops=metrics["tflops"], force=True)
+            heartbeat.beat(
+                loss=metrics["loss"],
+                tau=metrics["tau"],
+                tflops=metrics["tflops"],
+                **({"balance": report} if report else {}),
+                force=True,
+            )
             window = LogWindow(spec.block_size)
-        if (
-            topo.is_main
-            and eval_data is not None
-            and t.eval_every
-            and (step % t.eval_every == 0 or step == total_steps)
-        ):
+        evaluating = (
+            eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps)
+        )
+        if evaluating and (topo.is_main or parallel.sharded):
             heartbeat.beat("evaluating")
-            result = evaluate(objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
-            logger.log(step, result, kind="eval")
+            result = evaluate(eval_objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             heartbeat.beat("training", eval_tau=result["tau"])
-            if result["tau"] > best_tau:  # the best checkpoint by simulated acceptance
+            if logger is not None:
+                logger.log(step, result, kind="eval")
+            if (
+                result["tau"] > best_tau
+            ):  # the best checkpoint by simulated acceptance (the same on every rank)
                 best_tau = result["tau"]
-                save_drafter(drafter, out_dir / "best", dtype=torch.bfloat16)
-        if topo.is_main and (step % t.save_every == 0 or step == total_steps or stopping):
+                best = drafter
+                if parallel.sharded:  # a collective; the whole state lands on the main rank
+                    weights = full_state_dicts(parallel, drafter)[0]
+                    best = unsharded_copy(drafter, weights) if topo.is_main else drafter
+                if topo.is_main:
+                    save_drafter(best, out_dir / "best", dtype=torch.bfloat16)
+        if (topo.is_main or parallel.sharded) and (
+            step % t.save_every == 0 or step == total_steps or stopping
+        ):
             heartbeat.beat("checkpointing")
-            path = save_checkpoint(out_dir, step, drafter, trainer_state(), t.keep_last)
-            heartbeat.beat("training", checkpoint=str(path))
+            to_write, state = checkpoint_parts()
+            if topo.is_main:
+                path = save_checkpoint(out_dir, step, to_write, state, t.keep_last)
+                heartbeat.beat("training", checkpoint=str(path))
+            del to_write, state
         if stopping:
             outcome = "stopped"
             say(f"stopped at step {step}; resume with train.resume=auto")
             break
+    if receiver is not None:  # a stop leaves received-ahead features of steps not trained: take and drop them
+        receiver.drain()
     if logger is not None:
         logger.close()
     barrier(topo)

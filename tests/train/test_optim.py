@@ -57,7 +57,7 @@ def test_micro_batch_gradients_are_summed_in_fp32():
     summed = opt.gradients()
     for s, a, b in zip(summed, first, second, strict=True):
         assert s.dtype == torch.float32 and torch.equal(s, a.float() + b.float())
-    assert opt.gradients() is not summed and all(x is y for x, y in zip(opt.gradients(), summed, strict=True))
+    assert all(x is y for x, y in zip(opt.gradients(), summed, strict=True))
 
 
 def test_fp32_gradients_for_an_all_reduce_are_the_ones_stepped():
@@ -153,3 +153,32 @@ def test_compiled_master_weight_update_equals_eager():
         results.append([opt.state[p]["master"] for p in params])
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_gathers_its_gradients_once():
+    """grad_norm(), the all-reduce and step() share one gathering of the step's gradients (micro-batch sums
+    included); a parameter without a gradient is zero-filled once, in fp32."""
+    passes = []
+
+    class Counting(MasterWeightAdamW):
+        def accumulate_gradients(self) -> None:
+            passes.append(1)
+            super().accumulate_gradients()
+
+    params = _bf16_params()
+    opt = Counting(params, lr=1e-2)
+    for micro in range(2):
+        for p, g in zip(params[:2], _grads(micro), strict=False):  # params[2] gets no gradient
+            p.grad = g.clone()
+        if micro == 0:
+            opt.accumulate_gradients()
+    reduced = opt.gradients(fp32=True)
+    norm = opt.grad_norm()
+    assert opt.gradients() is reduced and opt.gradients(fp32=True) is reduced
+    assert torch.equal(reduced[2], torch.zeros(SHAPES[2])) and reduced[2].dtype == torch.float32
+    opt.clip_and_step(1.0, norm)
+    assert len(passes) == 2  # one between the micro-batches, one to gather the step
+    opt.discard_gradients()
+    for p, g in zip(params, _grads(5), strict=True):  # the next step gathers its own gradients
+        p.grad = g.clone()
+    assert all(torch.equal(a, b) for a, b in zip(opt.gradients(), _grads(5), strict=True))
