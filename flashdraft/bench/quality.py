@@ -314,7 +314,7 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             " ".join(f"{r:.2f}" for r in p["acceptance_by_position"]),
         )
     console.print(table)
-    console.print(text_curve(curve, args.block_size), highlight=False)
+    console.print(text_curve(curve, args.block_size), highlight=False, markup=False)
     try:
         atomic_write_json(out, result, indent=2)
         png = out.with_suffix(".png")

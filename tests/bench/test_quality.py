@@ -117,3 +117,205 @@ def test_the_real_standard_library_gives_the_default_counts_deterministically(tm
     top = {r["source"].split(".")[0] for r in train}
     assert not top & {r["source"].split(".")[0] for r in held}
     assert len({r["messages"][0]["content"] for r in train + held}) == 2064  # no prompt twice
+
+
+# --------------------------------------------------------------------------- the training-time budget
+
+
+def chain_samples(tokenizer, count: int, seed: int) -> str:
+    """Token samples of the chain target's answers: a random prompt of words, then the chain."""
+    g = torch.Generator().manual_seed(seed)
+    ids = tokenizer.convert_tokens_to_ids
+    words = [ids(w) for w in ("why", "be", "brief", "2+2", "user", "system")]
+    answer = [ids(t) for t in CHAIN]
+    lines = []
+    for _ in range(count):
+        prompt = [
+            words[int(i)]
+            for i in torch.randint(
+                0, len(words), (int(torch.randint(4, 12, (1,), generator=g)),), generator=g
+            )
+        ]
+        lines.append(
+            json.dumps({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+        )
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def budget_run(chain_target, tmp_path_factory) -> tuple[Path, dict]:
+    """A run stopped by train.max_minutes, with timed checkpoints each evaluated on held-out data."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.config import load_config
+    from flashdraft.train.trainer import train
+
+    root = tmp_path_factory.mktemp("budget")
+    tokenizer = AutoTokenizer.from_pretrained(chain_target)
+    (root / "train.jsonl").write_text(chain_samples(tokenizer, 64, 0))
+    (root / "eval.jsonl").write_text(chain_samples(tokenizer, 8, 1))
+    config = load_config(
+        None,
+        [
+            f"model.target={chain_target}",
+            "model.num_layers=1",
+            "model.block_size=4",
+            f"data.train=[{root / 'train.jsonl'}]",
+            f"data.eval=[{root / 'eval.jsonl'}]",
+            "data.max_length=64",
+            f"train.out_dir={root / 'run'}",
+            "train.max_steps=1000",
+            "train.max_minutes=0.03",
+            "train.save_every_minutes=0.01",
+            "train.save_every=100000",
+            "train.eval_every=100000",
+            "train.log_every=5",
+            "train.keep_last=10",
+            "train.batch_size=4",
+            "train.num_anchors=4",
+            "train.lr=3e-3",
+            "train.device=cpu",
+            "train.resume=never",
+        ],
+    )
+    return root / "run", train(config)
+
+
+def test_max_minutes_stops_training_with_a_final_checkpoint_and_ends_the_lr_schedule(budget_run):
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, result = budget_run
+    assert result["budget_spent"] and result["outcome"] == "finished"
+    assert result["steps"] < 1000 and 0.03 <= result["train_minutes"] < 0.2
+    checkpoints = list_checkpoints(run)
+    assert checkpoints[-1].name == f"step-{result['steps']:08d}"  # the final one, at the stopping step
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last_train = [r for r in rows if r["kind"] == "train"][-1]
+    assert last_train["step"] == result["steps"]
+    # the cosine ran over the budget, not over the 1000 steps: the last lr is near its floor (0)
+    assert last_train["lr"] < 0.05 * 3e-3
+
+
+def test_timed_checkpoints_are_evenly_spaced_in_training_minutes_and_each_has_a_simulated_tau(budget_run):
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, _ = budget_run
+    steps = [int(p.name.removeprefix("step-")) for p in list_checkpoints(run)]
+    assert len(steps) >= 3  # every 0.01 of a 0.03-minute budget, and the final one
+    evals = {
+        r["step"]: r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "eval"
+    }
+    assert set(steps) <= set(evals)  # train.eval_every is far away: these evaluations are the timed ones
+    minutes = [evals[s]["train_minutes"] for s in steps]
+    assert minutes == sorted(minutes)
+    for k, m in enumerate(minutes[:-1], start=1):
+        assert 0.01 * k <= m < 0.01 * k + 0.01  # the first step past each multiple of the interval
+
+
+def test_config_refuses_a_negative_budget():
+    from flashdraft.config import load_config
+
+    with pytest.raises(FlashdraftError, match=r"train.max_minutes must be >= 0"):
+        load_config(None, ["train.max_minutes=-1"])
+    with pytest.raises(FlashdraftError, match=r"train.save_every_minutes must be >= 0"):
+        load_config(None, ["train.save_every_minutes=-0.5"])
+
+
+# --------------------------------------------------------------------------- simulated τ beside real τ
+
+
+def test_eval_prints_the_simulated_tau_of_the_checkpoint_beside_the_real_one(
+    budget_run, chain_target, tmp_path
+):
+    from rich.console import Console
+
+    from flashdraft.config import Sampling
+    from flashdraft.infer.evaluate import EvalSettings, run_eval
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, _ = budget_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["tau"] for r in rows if r["kind"] == "eval"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "why be brief"}]}) + "\n")
+    first = list_checkpoints(run)[0]
+    step = int(first.name.removeprefix("step-"))
+    console = Console(record=True, width=200)
+    settings = EvalSettings(sampling=Sampling(max_new_tokens=16))
+    report = run_eval(
+        str(chain_target), str(first / "drafter"), str(prompts), settings, device="cpu", console=console
+    )
+    assert report["simulated"]["step"] == step and report["simulated"]["tau"] == evals[step]
+    assert f"simulated τ, held-out (training step {step})" in console.export_text()
+    # best/ is the first evaluation at the run's highest τ
+    best = run_eval(
+        str(chain_target), str(run / "best"), str(prompts), settings, device="cpu", console=console
+    )
+    top = max(evals.values())
+    assert best["simulated"]["tau"] == top and best["simulated"]["step"] == min(
+        s for s, t in evals.items() if t == top
+    )
+    # a drafter directory that is not a run's has none
+    plain = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(first / "drafter", plain)
+    assert "simulated" not in run_eval(
+        str(chain_target), str(plain), str(prompts), settings, device="cpu", console=console
+    )
+
+
+# --------------------------------------------------------------------------- the whole benchmark
+
+
+@pytest.mark.slow
+def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau(chain_target, tmp_path):
+    from flashdraft.cli import main
+
+    out = tmp_path / "quality.json"
+    argv = [
+        "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
+        "--device", "cpu", "--prompts", "24", "--eval-prompts", "3", "--answer-tokens", "24",
+        "--gpu-minutes", "0.04", "--curve-points", "2", "--max-new-tokens", "16",
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "1024",
+        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
+    ]  # fmt: skip
+    assert main(["bench", "quality", *argv]) == 0
+    result = json.loads(out.read_text())
+    assert result["producer"] == "flashdraft bench quality" and result["command"].startswith(
+        "flashdraft bench quality"
+    )
+    assert result["git_commit"] and result["device"]
+    assert result["prompts"]["train_prompts"] == 24 and result["data"]["train"]["samples"] == 24
+    curve = result["curve"]
+    assert len(curve) >= 2
+    minutes = [p["gpu_minutes"] for p in curve]
+    assert minutes == sorted(minutes) and minutes[-1] >= 0.04
+    for point in curve:
+        assert 1 <= point["tau"] <= 4 and 1 <= point["simulated_tau"] <= 4
+        assert len(point["acceptance_by_position"]) == 3 and point["speedup"] > 0
+    assert result["final"] == curve[-1]
+    assert ("zlab_tau" in curve[-1]) == result["zlab_available"]
+    assert all("zlab_tau" not in p for p in curve[:-1])
+
+
+def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path):
+    from flashdraft.bench.quality import build_parser, run_quality
+
+    def run(*flags: str) -> None:
+        args = build_parser().parse_args(
+            ["--target", str(chain_target), "--work", str(tmp_path / "w"), *flags]
+        )
+        run_quality(args, [])
+
+    with pytest.raises(FlashdraftError, match="--curve-points must be at least 2"):
+        run("--curve-points", "1")
+    with pytest.raises(FlashdraftError, match=r"--max-length must be at least 2 \* --block-size \(32\)"):
+        run("--max-length", "20")
+    with pytest.raises(FlashdraftError, match="--mask-token-id 64 is outside the target vocabulary"):
+        run("--mask-token-id", "64")
+    with pytest.raises(FlashdraftError, match=r"no config\.json"):  # the target is checked too
+        run_quality(build_parser().parse_args(["--target", str(tmp_path), "--work", str(tmp_path / "w")]), [])
+    assert not (tmp_path / "w" / "prompts").exists()  # nothing was built
