@@ -127,6 +127,8 @@ def regenerate(inputs: Path, out: Path, args: argparse.Namespace, max_new_tokens
     a sweep of training knobs regenerates nothing twice."""
     fields = {f.name for f in dataclasses.fields(PrepareSettings)}
     extra = {"device": args.device} if "device" in fields else {}  # prepare's device, when it has one
+    if not extra and args.device != "cpu":
+        print(f"prepare has no device setting in this version: {out.name} answers are generated on the CPU")
     settings = PrepareSettings(
         max_length=args.max_length,
         regenerate=True,
