@@ -119,6 +119,7 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
     tokenizer = load_target_tokenizer(args.target, required=True)
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"--target {args.target}: its tokenizer has no chat template for the prompts")
+    out.parent.mkdir(parents=True, exist_ok=True)  # the work directory, once the rest is known good
     check_output_file(out, "--out", force=args.force, inputs={"--target": args.target}, ours=_result_is_ours)
 
 
@@ -228,9 +229,9 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
 def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Console | None = None) -> dict:
     console = console or Console()
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else work / "quality.json"
     check_inputs(args, out)
+    (work / "data").mkdir(parents=True, exist_ok=True)
     zlab = importlib.util.find_spec("dflash") is not None
     timings: dict[str, float] = {}
 

@@ -142,28 +142,20 @@ def chain_samples(tokenizer, count: int, seed: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.fixture(scope="module")
-def budget_run(chain_target, tmp_path_factory) -> tuple[Path, dict]:
-    """A run stopped by train.max_minutes, with timed checkpoints each evaluated on held-out data."""
-    from transformers import AutoTokenizer
-
+def budget_config(target: Path, data: Path, out_dir: Path, resume: str = "never"):
+    """A 0.03-minute budget with a checkpoint every 0.01 minute, on the chain target's answers."""
     from flashdraft.config import load_config
-    from flashdraft.train.trainer import train
 
-    root = tmp_path_factory.mktemp("budget")
-    tokenizer = AutoTokenizer.from_pretrained(chain_target)
-    (root / "train.jsonl").write_text(chain_samples(tokenizer, 64, 0))
-    (root / "eval.jsonl").write_text(chain_samples(tokenizer, 8, 1))
-    config = load_config(
+    return load_config(
         None,
         [
-            f"model.target={chain_target}",
+            f"model.target={target}",
             "model.num_layers=1",
             "model.block_size=4",
-            f"data.train=[{root / 'train.jsonl'}]",
-            f"data.eval=[{root / 'eval.jsonl'}]",
+            f"data.train=[{data / 'train.jsonl'}]",
+            f"data.eval=[{data / 'eval.jsonl'}]",
             "data.max_length=64",
-            f"train.out_dir={root / 'run'}",
+            f"train.out_dir={out_dir}",
             "train.max_steps=1000",
             "train.max_minutes=0.03",
             "train.save_every_minutes=0.01",
@@ -175,10 +167,36 @@ def budget_run(chain_target, tmp_path_factory) -> tuple[Path, dict]:
             "train.num_anchors=4",
             "train.lr=3e-3",
             "train.device=cpu",
-            "train.resume=never",
+            f"train.resume={resume}",
         ],
     )
-    return root / "run", train(config)
+
+
+@pytest.fixture(scope="module")
+def budget_run(chain_target, tmp_path_factory) -> tuple[Path, dict]:
+    """A run stopped by train.max_minutes, with timed checkpoints each evaluated on held-out data."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.train.trainer import train
+
+    root = tmp_path_factory.mktemp("budget")
+    tokenizer = AutoTokenizer.from_pretrained(chain_target)
+    (root / "train.jsonl").write_text(chain_samples(tokenizer, 64, 0))
+    (root / "eval.jsonl").write_text(chain_samples(tokenizer, 8, 1))
+    return root / "run", train(budget_config(chain_target, root, root / "run"))
+
+
+def test_a_resumed_run_keeps_the_training_time_it_already_spent(budget_run, chain_target, tmp_path):
+    import shutil
+
+    from flashdraft.train.trainer import train
+
+    run, first = budget_run
+    shutil.copytree(run, tmp_path / "run")
+    resumed = train(budget_config(chain_target, run.parent, tmp_path / "run", resume="auto"))
+    # the budget was already spent: one step, then the stop (a fresh clock would train 0.03 min more)
+    assert resumed["budget_spent"] and resumed["steps"] == first["steps"] + 1
+    assert resumed["train_minutes"] >= first["train_minutes"]
 
 
 def test_max_minutes_stops_training_with_a_final_checkpoint_and_ends_the_lr_schedule(budget_run):
@@ -318,4 +336,4 @@ def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path)
         run("--mask-token-id", "64")
     with pytest.raises(FlashdraftError, match=r"no config\.json"):  # the target is checked too
         run_quality(build_parser().parse_args(["--target", str(tmp_path), "--work", str(tmp_path / "w")]), [])
-    assert not (tmp_path / "w" / "prompts").exists()  # nothing was built
+    assert not (tmp_path / "w").exists()  # nothing was built, not even the work directory
