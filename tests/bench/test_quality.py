@@ -13,21 +13,44 @@ import torch
 from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.data.stdlib_prompts import split_prompts, stdlib_prompts, write_prompt_files
 from flashdraft.errors import FlashdraftError
-from tests.data.helpers import make_tokenizer
 
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 # The chain target's greedy answer to any prompt ending in "\n" (the Qwen template's generation prompt):
-# each token is followed by the next one, so every answer is CHAIN[1:].
-CHAIN = ["\n", "sure", " ", "ok", "\n\n", "hi", "there", "be", "brief", "why", "because", "4", "thanks"]
-CHAIN += ["<|im_end|>"]
+# each character is followed by the next one (all distinct), so every answer is CHAIN[1:].
+CHAIN = ["\n", *"Sure:ok,thx! BYE", "<|im_end|>"]
+
+
+def char_tokenizer():
+    """One token per character (printable ASCII, newline, [UNK]) plus Qwen's turn markers, decoding by plain
+    concatenation, so a regenerated answer re-encodes to the very ids the target produced. (A word tokenizer
+    that decodes with spaces would not: its training answers would differ from the target's tokens.)"""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.data.helpers import QWEN_TEMPLATE
+
+    chars = ["\n", *(chr(c) for c in range(32, 127)), "[UNK]"]
+    vocab = {t: i for i, t in enumerate(chars + QWEN_SPECIALS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        eos_token="<|im_end|>",
+        additional_special_tokens=QWEN_SPECIALS,
+    )
+    fast.chat_template = QWEN_TEMPLATE
+    return fast
 
 
 def save_chain_target(out: Path) -> Path:
-    """A tiny Qwen3 target that answers every chat prompt with the same dozen tokens and ends its turn: its
+    """A tiny Qwen3 target that answers every chat prompt with the same short line and ends its turn: its
     residual branches are zeroed (the last hidden state is the last token's normalised embedding) and its
     head maps each chain token to the next one. A random tiny target never ends a turn, and prepare drops
     answers cut at the token limit."""
-    tokenizer = make_tokenizer("qwen")
-    save_tiny_target(out, "qwen3", vocab_size=64, hidden_size=64, num_layers=4, tokenizer=tokenizer)
+    tokenizer = char_tokenizer()
+    save_tiny_target(out, "qwen3", vocab_size=128, hidden_size=64, num_layers=4, tokenizer=tokenizer)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -123,10 +146,10 @@ def test_the_real_standard_library_gives_the_default_counts_deterministically(tm
 
 
 def chain_samples(tokenizer, count: int, seed: int) -> str:
-    """Token samples of the chain target's answers: a random prompt of words, then the chain."""
+    """Token samples of the chain target's answers: a random prompt of letters, then the chain."""
     g = torch.Generator().manual_seed(seed)
     ids = tokenizer.convert_tokens_to_ids
-    words = [ids(w) for w in ("why", "be", "brief", "2+2", "user", "system")]
+    words = [ids(c) for c in "abcdefgh"]
     answer = [ids(t) for t in CHAIN]
     lines = []
     for _ in range(count):
@@ -297,7 +320,7 @@ def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau
         "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
         "--device", "cpu", "--prompts", "24", "--eval-prompts", "3", "--answer-tokens", "24",
         "--gpu-minutes", "0.04", "--curve-points", "2", "--max-new-tokens", "16",
-        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "1024",
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
         "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
     ]  # fmt: skip
     assert main(["bench", "quality", *argv]) == 0
@@ -323,8 +346,10 @@ def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path)
     from flashdraft.bench.quality import build_parser, run_quality
 
     def run(*flags: str) -> None:
+        # small sizes: were a check missing, the benchmark would run, and fail the test, quickly
+        small = ["--prompts", "2", "--eval-prompts", "1", "--gpu-minutes", "0.01", "--max-new-tokens", "2"]
         args = build_parser().parse_args(
-            ["--target", str(chain_target), "--work", str(tmp_path / "w"), *flags]
+            ["--target", str(chain_target), "--work", str(tmp_path / "w"), *small, *flags]
         )
         run_quality(args, [])
 
@@ -332,8 +357,8 @@ def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path)
         run("--curve-points", "1")
     with pytest.raises(FlashdraftError, match=r"--max-length must be at least 2 \* --block-size \(32\)"):
         run("--max-length", "20")
-    with pytest.raises(FlashdraftError, match="--mask-token-id 64 is outside the target vocabulary"):
-        run("--mask-token-id", "64")
+    with pytest.raises(FlashdraftError, match="--mask-token-id 128 is outside the target vocabulary"):
+        run("--mask-token-id", "128")
     with pytest.raises(FlashdraftError, match=r"no config\.json"):  # the target is checked too
         run_quality(build_parser().parse_args(["--target", str(tmp_path), "--work", str(tmp_path / "w")]), [])
     assert not (tmp_path / "w").exists()  # nothing was built, not even the work directory
