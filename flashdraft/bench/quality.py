@@ -202,6 +202,16 @@ def text_curve(curve: list[dict[str, Any]], block: int, width: int = 40) -> str:
     return "\n".join(lines)
 
 
+def _png_is_ours(path: Path) -> bool:
+    try:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            return image.info.get("Software") == PRODUCER
+    except Exception:  # not an image PIL reads: not ours
+        return False
+
+
 def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
     """The curve as a PNG, when matplotlib is importable (an optional extra); True when written."""
     if importlib.util.find_spec("matplotlib") is None:
@@ -321,7 +331,9 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     try:
         atomic_write_json(out, result, indent=2)
         png = out.with_suffix(".png")
-        if png != out and plot_curve(curve, png):
+        if png.exists() and not _png_is_ours(png):
+            console.print(f"not drawing the curve: {png} exists and this benchmark did not write it")
+        elif png != out and plot_curve(curve, png):
             console.print(f"curve drawn to {png}")
     except OSError as exc:
         reason = disk_full_reason(exc, out.parent) or exc.strerror or str(exc)
