@@ -368,6 +368,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from flashdraft.bench.regen_bench import main as bench_regen
 
         return bench_regen(args.rest)
+    if args.what == "quality":
+        from flashdraft.bench.quality import main as bench_quality
+
+        return bench_quality(args.rest)
     raise FlashdraftError(f"unknown benchmark {args.what!r}")
 
 
@@ -689,9 +693,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval | data"
+        "bench",
+        help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval | data | quality "
+        "(flashdraft bench quality --help)",
     )
-    p.add_argument("what", choices=["train", "regen", "eval", "data"])
+    p.add_argument("what", choices=["train", "regen", "eval", "data", "quality"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     return parser

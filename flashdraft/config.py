@@ -93,6 +93,13 @@ class TrainConfig:
     out_dir: str = doc("runs/flashdraft", "Run output: checkpoints, metrics.jsonl, TensorBoard events.")
     epochs: int = doc(6, "Passes over the training data (paper: 6).")
     max_steps: int = doc(0, "Stop after this many optimizer steps (0: run all epochs).")
+    max_minutes: float = doc(
+        0.0,
+        "Wall-clock budget of the training loop in minutes (0: none): the step that crosses it is the last, "
+        "with a final checkpoint and held-out evaluation, and the lr schedule runs over the budget "
+        "(whichever of steps and minutes is spent first). Counts step time, compile included; not the "
+        "time spent evaluating or writing checkpoints (docs/quality-benchmark.md).",
+    )
     batch_size: int = doc(1, "Sequences per micro-batch.")
     grad_accum: int = doc(1, "Micro-batches per optimizer step.")
     lr: float = doc(6e-4, "Peak learning rate of AdamW (paper: 6e-4).")
@@ -142,6 +149,11 @@ class TrainConfig:
     loss_chunk: int = doc(2048, "Block positions per LM-head chunk of the fused cross-entropy.")
     log_every: int = doc(10, "Optimizer steps between metric lines.")
     save_every: int = doc(500, "Optimizer steps between checkpoints (a final one is always written).")
+    save_every_minutes: float = doc(
+        0.0,
+        "Training minutes (as train.max_minutes counts them) between extra checkpoints (0: off); with "
+        "train.eval_every on, each is also evaluated, so every timed checkpoint has its simulated τ.",
+    )
     eval_every: int = doc(0, "Optimizer steps between simulated-acceptance evaluations (0: off).")
     keep_last: int = doc(3, "Checkpoints kept on disk.")
     resume: str = doc(
@@ -434,6 +446,11 @@ def validate(config: Config) -> None:
         ),
         (t.epochs >= 1, f"train.epochs must be at least 1, got {t.epochs}"),
         (t.max_steps >= 0, f"train.max_steps must be >= 0 (0: run all epochs), got {t.max_steps}"),
+        (t.max_minutes >= 0, f"train.max_minutes must be >= 0 (0: no budget), got {t.max_minutes}"),
+        (
+            t.save_every_minutes >= 0,
+            f"train.save_every_minutes must be >= 0 (0: off), got {t.save_every_minutes}",
+        ),
         (t.batch_size >= 1, f"train.batch_size must be at least 1, got {t.batch_size}"),
         (t.grad_accum >= 1, f"train.grad_accum must be at least 1, got {t.grad_accum}"),
         (t.num_anchors >= 1, f"train.num_anchors must be at least 1, got {t.num_anchors}"),

@@ -31,6 +31,7 @@ from flashdraft.infer.report import (
     check_plot_path,
     plot,
     plot_is_ours,
+    simulated_tau,
     tokens_per_second,
     write_json,
 )
@@ -270,6 +271,9 @@ def run_eval(
             "producer": PRODUCER,
         }
     )
+    simulated = simulated_tau(drafter_dir)
+    if simulated is not None:  # training's teacher-forced estimate of the same checkpoint, to compare
+        report["simulated"] = simulated
     if settings.engine == "zlab":
         report["zlab"] = zlab_comparison(
             drafter_dir, target, encoded, spec, settings, block, stop_ids, dtype, console
@@ -292,6 +296,8 @@ def run_eval(
     table.add_column("value", justify="right")
     table.add_row("τ (per-prompt mean of accepted + 1, z-lab)", f"{report['tau']:.3f}")
     table.add_row("τ pooled over all steps", f"{report['tau_pooled']:.3f}")
+    if simulated is not None:
+        table.add_row(f"simulated τ, held-out (training step {simulated['step']})", f"{simulated['tau']:.3f}")
     if "zlab" in report:
         z = report["zlab"]
         table.add_row("τ of z-lab's dflash_generate (same prompts)", f"{z['tau']:.3f}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,51 @@ def acceptance_report(
         report["baseline_tokens_per_s"] = tokens_per_second(baselines)
         report["speedup"] = base_tpot / tpot if tpot > 0 else float("nan")
     return report
+
+
+# A training checkpoint's drafter: <run>/checkpoints/step-00000100/drafter (flashdraft/train/checkpoint.py).
+_CHECKPOINT_STEP = re.compile(r"^step-(\d{8})$")
+
+
+def simulated_tau(drafter_dir: str | Path) -> dict[str, Any] | None:
+    """The held-out simulated τ that training logged for this drafter, when it is a flashdraft run's:
+    `<run>/checkpoints/step-N/drafter` is step N; `<run>/best` is the first evaluation at the run's highest
+    τ (the trainer rewrites best/ only on a strict improvement). None when the directory is neither, or the
+    run's metrics.jsonl has no evaluation of that step (docs/quality-benchmark.md)."""
+    path = Path(drafter_dir).resolve()
+    found = _CHECKPOINT_STEP.match(path.parent.name)
+    if path.name == "drafter" and found and path.parent.parent.name == "checkpoints":
+        run, step = path.parents[2], int(found.group(1))
+    elif path.name == "best":
+        run, step = path.parent, None
+    else:
+        return None
+    metrics = run / "metrics.jsonl"
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return None
+    evals = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a crash
+            continue
+        if isinstance(row, dict) and row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float)):
+            evals.append(row)
+    if step is None:
+        finite = [r for r in evals if math.isfinite(r["tau"])]
+        chosen = max(finite, key=lambda r: r["tau"]) if finite else None  # max keeps the first of ties
+    else:
+        chosen = next((r for r in reversed(evals) if r.get("step") == step), None)
+    if chosen is None:
+        return None
+    return {
+        "step": chosen["step"],
+        "tau": chosen["tau"],
+        "train_minutes": chosen.get("train_minutes"),
+        "metrics": str(metrics),
+    }
 
 
 def _tpot(run: Generation) -> float:

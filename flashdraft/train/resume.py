@@ -26,6 +26,7 @@ EXEMPT = frozenset(
         "train.max_bad_steps",
         "train.log_every",
         "train.save_every",
+        "train.save_every_minutes",
         "train.eval_every",
         "train.keep_last",
         "train.device",

@@ -358,8 +358,19 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
+    # train.max_minutes: a budget of training time (step time only; evaluation and checkpoint writes are
+    # not counted), and under it the schedule runs over the budget (docs/quality-benchmark.md).
+    budget_seconds = t.max_minutes * 60
+    train_seconds = 0.0
+
+    def schedule_position(s: int) -> int:
+        """The step the lr schedule is at: under a time budget, the share of the budget spent when ahead."""
+        if not budget_seconds:
+            return s
+        return max(s, int(train_seconds / budget_seconds * total_steps))
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, total_steps, t.warmup_ratio, t.min_lr_ratio)
+        optimizer, lambda s: lr_lambda(schedule_position(s), total_steps, t.warmup_ratio, t.min_lr_ratio)
     )
 
     # ------------------------------------------------------------------ resume
@@ -394,6 +405,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step, best_tau, skipped = state["step"], state["best_tau"], state["skipped_steps"]
+        train_seconds = float(state.get("train_seconds", 0.0))
         say(f"resumed from {resume_from.path} at step {step}")
         del state
         resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
@@ -411,6 +423,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "best_tau": best_tau,
             "total_steps": total_steps,
             "skipped_steps": skipped,
+            "train_seconds": train_seconds,
             "config": to_dict(config),
             "world_size": topo.world_size,
         }
@@ -430,6 +443,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         "compiling" if placement.compiled else "training", force=True, step=step, total_steps=total_steps
     )
     outcome = "finished"
+    timed_every = t.save_every_minutes * 60
+    next_timed_save = (math.floor(train_seconds / timed_every) + 1) * timed_every if timed_every else math.inf
 
     # Split topology: this drafter rank's features come from its target rank, received ahead of use.
     receiver = clock = control = None
@@ -486,6 +501,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             pending.append(draw_step(next_draw))
             next_draw += 1
 
+    over_budget = False
     while step < total_steps:
         started = time.perf_counter()
         waited_before = clock.waiting if clock else 0.0
@@ -525,7 +541,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         grad_norm = optimizer.grad_norm()
         # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
-        bad, stopping = any_rank_flags([non_finite(losses, grad_norm), stop.requested], device, topo)
+        # The budget flag too: ranks' clocks differ slightly, and all must stop after the same step.
+        over_budget = bool(budget_seconds) and train_seconds + time.perf_counter() - started >= budget_seconds
+        bad, stopping, over_budget = any_rank_flags(
+            [non_finite(losses, grad_norm), stop.requested, over_budget], device, topo
+        )
         step += 1
         if bad:
             optimizer.discard_gradients()  # no weight, moment or schedule update
@@ -556,8 +576,13 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         window.seconds += time.perf_counter() - started
         if control is not None:  # the target side learns of a stop here, and reports its clock
             clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
-            totals = control.exchange(stopping, clock, step)
-            stopping = stopping or totals["stop"] > 0
+            totals = control.exchange(stopping or over_budget, clock, step)
+            stopping = stopping or (totals["stop"] > 0 and not over_budget)
+        train_seconds += time.perf_counter() - started
+        last = step == total_steps or over_budget
+        timed = train_seconds >= next_timed_save  # a checkpoint every train.save_every_minutes
+        while next_timed_save <= train_seconds:
+            next_timed_save += timed_every
 
         heartbeat.beat(
             "training",
@@ -569,7 +594,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             if device.type == "cuda"
             else None,
         )
-        if step % t.log_every == 0 or step == total_steps:
+        if step % t.log_every == 0 or last:
             window.all_reduce(device, topo)
             metrics = {
                 **window.metrics(),
@@ -577,6 +602,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 "grad_norm": float(grad_norm),
                 "epoch": sampler_state["epoch"],
                 "skipped_steps": skipped,
+                "train_minutes": train_seconds / 60,
             }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
@@ -597,12 +623,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 force=True,
             )
             window = LogWindow(spec.block_size)
-        evaluating = (
-            eval_data is not None and t.eval_every and (step % t.eval_every == 0 or step == total_steps)
-        )
+        evaluating = eval_data is not None and t.eval_every and (step % t.eval_every == 0 or last or timed)
         if evaluating and (topo.is_main or parallel.sharded):
             heartbeat.beat("evaluating")
             result = evaluate(eval_objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
+            result["train_minutes"] = train_seconds / 60
             heartbeat.beat("training", eval_tau=result["tau"])
             if logger is not None:
                 logger.log(step, result, kind="eval")
@@ -616,9 +641,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                     best = unsharded_copy(drafter, weights) if topo.is_main else drafter
                 if topo.is_main:
                     save_drafter(best, out_dir / "best", dtype=torch.bfloat16)
-        if (topo.is_main or parallel.sharded) and (
-            step % t.save_every == 0 or step == total_steps or stopping
-        ):
+        if (topo.is_main or parallel.sharded) and (step % t.save_every == 0 or last or stopping or timed):
             heartbeat.beat("checkpointing")
             to_write, state = checkpoint_parts()
             if topo.is_main:
@@ -628,6 +651,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         if stopping:
             outcome = "stopped"
             say(f"stopped at step {step}; resume with train.resume=auto")
+            break
+        if over_budget:  # a finished run: it trained for the time it was given
+            say(f"train.max_minutes={t.max_minutes} spent at step {step}: final checkpoint written")
             break
     if receiver is not None:  # a stop leaves received-ahead features of steps not trained: take and drop them
         receiver.drain()
@@ -641,4 +667,6 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         "best_tau": best_tau,
         "outcome": outcome,
         "skipped_steps": skipped,
+        "train_minutes": train_seconds / 60,
+        "budget_spent": over_budget,
     }

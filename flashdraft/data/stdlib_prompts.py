@@ -1,0 +1,173 @@
+"""Chat prompts made from the docstrings of the running interpreter's standard library.
+
+Text that ships with every Python, so `flashdraft bench quality` needs no dataset download: each module,
+class and function docstring of the stdlib's own .py files (read with `ast`, never imported) becomes a user
+turn through a few fixed instruction templates. The order is deterministic (files sorted by path, choices by
+CRC32 of the text, not Python's salted hash), docstrings are deduplicated, and the held-out split is by
+source module: a top-level module or package (`email`, `asyncio`) is wholly in training or wholly held out,
+so no held-out prompt paraphrases a training one from a sibling file (docs/quality-benchmark.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from flashdraft.durable import atomic_write_text
+from flashdraft.errors import FlashdraftError
+
+# Test suites, demos and the bundled installers are not library documentation (and some test files do
+# not even parse: they are fixtures of syntax errors).
+SKIPPED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "lib2to3", "ensurepip", "turtledemo"}
+)
+MIN_CHARS = 40  # shorter docstrings ("Return self.") make prompts with nothing to explain
+MAX_CHARS = 1200  # long module docstrings are cut at a paragraph end: the prompt stays a prompt
+
+TEMPLATES = {
+    "module": "Summarize what the Python standard library module `{module}` is for, based on its "
+    "documentation:\n\n{doc}",
+    "class": "Describe the Python class `{qualname}` from the `{module}` module and show a short example "
+    "of using it. Its documentation:\n\n{doc}",
+    "function": "Explain what the Python function `{qualname}` from the `{module}` module does, given its "
+    "documentation. Say what it takes and what it returns.\n\n{doc}",
+    "write": "Write a Python function named `{name}` that does the following:\n\n{doc}",
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    group: str  # the top-level module or package: the unit of the held-out split
+    source: str  # dotted name of what the docstring documents
+    text: str
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _module_name(relative: Path) -> str:
+    parts = list(relative.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _shorten(doc: str) -> str:
+    if len(doc) <= MAX_CHARS:
+        return doc
+    cut = doc.rfind("\n\n", 0, MAX_CHARS)
+    return doc[: cut if cut >= MIN_CHARS else MAX_CHARS].rstrip()
+
+
+def _documented(tree: ast.Module) -> list[tuple[str, str, str]]:
+    """(kind, qualified name, docstring) of the module and every class and function, in source order."""
+    found = []
+    doc = ast.get_docstring(tree)
+    if doc:
+        found.append(("module", "", doc))
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{node.name}"
+                doc = ast.get_docstring(node)
+                if doc:
+                    found.append(("class" if isinstance(node, ast.ClassDef) else "function", name, doc))
+                visit(node.body, f"{name}.")
+
+    visit(tree.body, "")
+    return found
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_prompts(root: Path | None = None) -> tuple[Prompt, ...]:
+    """Every prompt the library's docstrings give, deduplicated by docstring, in a fixed order."""
+    root = root or stdlib_root()
+    files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]))
+    prompts, seen_docs, seen_texts = [], set(), set()
+    for path in files:
+        relative = path.relative_to(root)
+        module = _module_name(relative)
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):  # a file the running parser does not read is not text we need
+            continue
+        for kind, qualname, doc in _documented(tree):
+            key = " ".join(doc.split())
+            if len(key) < MIN_CHARS or key in seen_docs:
+                continue
+            seen_docs.add(key)
+            fields = {"module": module, "qualname": qualname, "name": qualname.rsplit(".", 1)[-1]}
+            fields["doc"] = _shorten(doc)
+            kinds = [kind]
+            if kind == "function" and not fields["name"].startswith("_"):
+                kinds.append("write")  # a public function also asks for an implementation
+            for template in kinds:
+                text = TEMPLATES[template].format(**fields)
+                if text not in seen_texts:
+                    seen_texts.add(text)
+                    source = f"{module}.{qualname}" if qualname else module
+                    prompts.append(Prompt(relative.parts[0].removesuffix(".py"), source, text))
+    return tuple(prompts)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def split_prompts(
+    prompts: tuple[Prompt, ...] | list[Prompt], train: int, held_out: int
+) -> tuple[list[Prompt], list[Prompt]]:
+    """`train` and `held_out` prompts from disjoint source modules. Modules are taken for the held-out
+    side in CRC32 order of their names until it has enough; each side's prompts are then ordered by CRC32
+    of their text (a spread over modules, not one module's run) and cut to the count asked."""
+    if train < 1:
+        raise FlashdraftError(f"--prompts must be at least 1, got {train}")
+    if held_out < 1:
+        raise FlashdraftError(f"--eval-prompts must be at least 1, got {held_out}")
+    groups: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.group, []).append(prompt)
+    held_groups: set[str] = set()
+    count = 0
+    for name in sorted(groups, key=lambda g: (_crc(g), g)):
+        if count >= held_out:
+            break
+        held_groups.add(name)
+        count += len(groups[name])
+    held = sorted((p for p in prompts if p.group in held_groups), key=lambda p: (_crc(p.text), p.text))
+    rest = sorted((p for p in prompts if p.group not in held_groups), key=lambda p: (_crc(p.text), p.text))
+    if len(held) < held_out or len(rest) < train:
+        raise FlashdraftError(
+            f"--prompts {train} --eval-prompts {held_out}: the standard library gives {len(prompts)} prompts "
+            f"({len(rest)} for training once {len(held)} are held out); ask for fewer"
+        )
+    return rest[:train], held[:held_out]
+
+
+def write_prompt_files(
+    train_path: str | Path, eval_path: str | Path, train: int, held_out: int, root: Path | None = None
+) -> dict[str, object]:
+    """Both splits as chat JSONL (one user turn each, with its source); returns what was written."""
+    train_prompts, eval_prompts = split_prompts(stdlib_prompts(root), train, held_out)
+    for path, chosen in ((train_path, train_prompts), (eval_path, eval_prompts)):
+        atomic_write_text(
+            path,
+            "".join(
+                json.dumps({"messages": [{"role": "user", "content": p.text}], "source": p.source}) + "\n"
+                for p in chosen
+            ),
+        )
+    return {
+        "train_prompts": len(train_prompts),
+        "eval_prompts": len(eval_prompts),
+        "train_modules": len({p.group for p in train_prompts}),
+        "eval_modules": sorted({p.group for p in eval_prompts}),
+        "stdlib": str(root or stdlib_root()),
+    }

@@ -1,0 +1,364 @@
+"""`flashdraft bench quality` and what it stands on: stdlib prompts, the training-time budget, simulated τ
+beside real τ in `flashdraft eval`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashdraft.bench.tiny import save_tiny_target
+from flashdraft.data.stdlib_prompts import split_prompts, stdlib_prompts, write_prompt_files
+from flashdraft.errors import FlashdraftError
+
+QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>"]
+# The chain target's greedy answer to any prompt ending in "\n" (the Qwen template's generation prompt):
+# each character is followed by the next one (all distinct), so every answer is CHAIN[1:].
+CHAIN = ["\n", *"Sure:ok,thx! BYE", "<|im_end|>"]
+
+
+def char_tokenizer():
+    """One token per character (printable ASCII, newline, [UNK]) plus Qwen's turn markers, decoding by plain
+    concatenation, so a regenerated answer re-encodes to the very ids the target produced. (A word tokenizer
+    that decodes with spaces would not: its training answers would differ from the target's tokens.)"""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.data.helpers import QWEN_TEMPLATE
+
+    chars = ["\n", *(chr(c) for c in range(32, 127)), "[UNK]"]
+    vocab = {t: i for i, t in enumerate(chars + QWEN_SPECIALS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        eos_token="<|im_end|>",
+        additional_special_tokens=QWEN_SPECIALS,
+    )
+    fast.chat_template = QWEN_TEMPLATE
+    return fast
+
+
+def save_chain_target(out: Path) -> Path:
+    """A tiny Qwen3 target that answers every chat prompt with the same short line and ends its turn: its
+    residual branches are zeroed (the last hidden state is the last token's normalised embedding) and its
+    head maps each chain token to the next one. A random tiny target never ends a turn, and prepare drops
+    answers cut at the token limit."""
+    tokenizer = char_tokenizer()
+    save_tiny_target(out, "qwen3", vocab_size=128, hidden_size=64, num_layers=4, tokenizer=tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = tokenizer.convert_tokens_to_ids
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        unit = embed / embed.norm(dim=1, keepdim=True)
+        head = torch.zeros_like(model.lm_head.weight)
+        for here, after in itertools.pairwise(CHAIN):
+            head[ids(after)] += 50 * unit[ids(here)]
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_target(tmp_path_factory) -> Path:
+    return save_chain_target(tmp_path_factory.mktemp("chain") / "target")
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def write_fake_stdlib(root: Path) -> Path:
+    """A small library tree: a package, modules, a duplicate docstring, a test dir, an unparsable file."""
+    long = "Return the {} of the two numbers given, rounding towards zero when they are not integers."
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text(f'"""{long.format("package summary")}"""\n')
+    (root / "pkg" / "inner.py").write_text(
+        f'def add(a, b):\n    """{long.format("sum")}"""\n\n\ndef _hidden():\n    """{long.format("hidden")}"""\n'
+    )
+    (root / "alpha.py").write_text(
+        f'class Box:\n    """{long.format("box")}"""\n\n    def size(self):\n        """{long.format("size")}"""\n'
+        f'\n\ndef short():\n    """Too short."""\n\n\ndef again():\n    """{long.format("sum")}"""\n'
+    )
+    (root / "beta.py").write_text(f'def mul(a, b):\n    """{long.format("product")}"""\n')
+    (root / "gamma.py").write_text(f'"""{long.format("gamma module")}"""\n')
+    (root / "test").mkdir()
+    (root / "test" / "test_x.py").write_text(f'def t():\n    """{long.format("test")}"""\n')
+    (root / "broken.py").write_text("def (:\n")
+    return root
+
+
+def test_prompts_come_from_every_documented_definition_once_and_skip_tests_short_and_broken(tmp_path):
+    prompts = stdlib_prompts(write_fake_stdlib(tmp_path / "lib"))
+    sources = [(p.group, p.source) for p in prompts]
+    # public functions give an "explain" and a "write" prompt, _hidden only "explain"; pkg.inner.add repeats
+    # alpha.again's docstring (files are read in path order), and short, test and unparsable ones give none
+    assert sources == [
+        ("alpha", "alpha.Box"),
+        ("alpha", "alpha.Box.size"),
+        ("alpha", "alpha.Box.size"),
+        ("alpha", "alpha.again"),
+        ("alpha", "alpha.again"),
+        ("beta", "beta.mul"),
+        ("beta", "beta.mul"),
+        ("gamma", "gamma"),
+        ("pkg", "pkg"),
+        ("pkg", "pkg.inner._hidden"),
+    ]
+    assert sum("Write a Python function named `again`" in p.text for p in prompts) == 1
+
+
+def test_held_out_prompts_share_no_module_with_training_and_counts_are_exact(tmp_path):
+    prompts = stdlib_prompts(write_fake_stdlib(tmp_path / "lib"))
+    train, held = split_prompts(prompts, 4, 2)
+    assert (len(train), len(held)) == (4, 2)
+    assert not {p.group for p in train} & {p.group for p in held}
+    assert split_prompts(list(prompts), 4, 2) == (train, held)  # deterministic
+    with pytest.raises(FlashdraftError, match="--prompts 9 --eval-prompts 2: the standard library gives 10"):
+        split_prompts(prompts, 9, 2)
+
+
+@pytest.mark.slow
+def test_the_real_standard_library_gives_the_default_counts_deterministically(tmp_path):
+    first = write_prompt_files(tmp_path / "a.jsonl", tmp_path / "b.jsonl", 2000, 64)
+    stdlib_prompts.cache_clear()  # a second scan from scratch must write the same files
+    second = write_prompt_files(tmp_path / "c.jsonl", tmp_path / "d.jsonl", 2000, 64)
+    assert first == second and first["train_prompts"] == 2000 and first["eval_prompts"] == 64
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "c.jsonl").read_bytes()
+    assert (tmp_path / "b.jsonl").read_bytes() == (tmp_path / "d.jsonl").read_bytes()
+    train = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    top = {r["source"].split(".")[0] for r in train}
+    assert not top & {r["source"].split(".")[0] for r in held}
+    assert len({r["messages"][0]["content"] for r in train + held}) == 2064  # no prompt twice
+
+
+# --------------------------------------------------------------------------- the training-time budget
+
+
+def chain_samples(tokenizer, count: int, seed: int) -> str:
+    """Token samples of the chain target's answers: a random prompt of letters, then the chain."""
+    g = torch.Generator().manual_seed(seed)
+    ids = tokenizer.convert_tokens_to_ids
+    words = [ids(c) for c in "abcdefgh"]
+    answer = [ids(t) for t in CHAIN]
+    lines = []
+    for _ in range(count):
+        prompt = [
+            words[int(i)]
+            for i in torch.randint(
+                0, len(words), (int(torch.randint(4, 12, (1,), generator=g)),), generator=g
+            )
+        ]
+        lines.append(
+            json.dumps({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)})
+        )
+    return "\n".join(lines) + "\n"
+
+
+def budget_config(target: Path, data: Path, out_dir: Path, resume: str = "never"):
+    """A 0.03-minute budget with a checkpoint every 0.01 minute, on the chain target's answers."""
+    from flashdraft.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.target={target}",
+            "model.num_layers=1",
+            "model.block_size=4",
+            f"data.train=[{data / 'train.jsonl'}]",
+            f"data.eval=[{data / 'eval.jsonl'}]",
+            "data.max_length=64",
+            f"train.out_dir={out_dir}",
+            "train.max_steps=1000",
+            "train.max_minutes=0.03",
+            "train.save_every_minutes=0.01",
+            "train.save_every=100000",
+            "train.eval_every=100000",
+            "train.log_every=5",
+            "train.keep_last=10",
+            "train.batch_size=4",
+            "train.num_anchors=4",
+            "train.lr=3e-3",
+            "train.device=cpu",
+            f"train.resume={resume}",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def budget_run(chain_target, tmp_path_factory) -> tuple[Path, dict]:
+    """A run stopped by train.max_minutes, with timed checkpoints each evaluated on held-out data."""
+    from transformers import AutoTokenizer
+
+    from flashdraft.train.trainer import train
+
+    root = tmp_path_factory.mktemp("budget")
+    tokenizer = AutoTokenizer.from_pretrained(chain_target)
+    (root / "train.jsonl").write_text(chain_samples(tokenizer, 64, 0))
+    (root / "eval.jsonl").write_text(chain_samples(tokenizer, 8, 1))
+    return root / "run", train(budget_config(chain_target, root, root / "run"))
+
+
+def test_a_resumed_run_keeps_the_training_time_it_already_spent(budget_run, chain_target, tmp_path):
+    import shutil
+
+    from flashdraft.train.trainer import train
+
+    run, first = budget_run
+    shutil.copytree(run, tmp_path / "run")
+    resumed = train(budget_config(chain_target, run.parent, tmp_path / "run", resume="auto"))
+    # the budget was already spent: one step, then the stop (a fresh clock would train 0.03 min more)
+    assert resumed["budget_spent"] and resumed["steps"] == first["steps"] + 1
+    assert resumed["train_minutes"] >= first["train_minutes"]
+
+
+def test_max_minutes_stops_training_with_a_final_checkpoint_and_ends_the_lr_schedule(budget_run):
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, result = budget_run
+    assert result["budget_spent"] and result["outcome"] == "finished"
+    assert result["steps"] < 1000 and 0.03 <= result["train_minutes"] < 0.2
+    checkpoints = list_checkpoints(run)
+    assert checkpoints[-1].name == f"step-{result['steps']:08d}"  # the final one, at the stopping step
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last_train = [r for r in rows if r["kind"] == "train"][-1]
+    assert last_train["step"] == result["steps"]
+    # the cosine ran over the budget, not over the 1000 steps: the last lr is near its floor (0)
+    assert last_train["lr"] < 0.05 * 3e-3
+
+
+def test_timed_checkpoints_are_evenly_spaced_in_training_minutes_and_each_has_a_simulated_tau(budget_run):
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, _ = budget_run
+    steps = [int(p.name.removeprefix("step-")) for p in list_checkpoints(run)]
+    assert len(steps) >= 3  # every 0.01 of a 0.03-minute budget, and the final one
+    evals = {
+        r["step"]: r
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if r["kind"] == "eval"
+    }
+    assert set(steps) <= set(evals)  # train.eval_every is far away: these evaluations are the timed ones
+    minutes = [evals[s]["train_minutes"] for s in steps]
+    assert minutes == sorted(minutes)
+    for k, m in enumerate(minutes[:-1], start=1):
+        assert 0.01 * k <= m < 0.01 * k + 0.01  # the first step past each multiple of the interval
+
+
+def test_config_refuses_a_negative_budget():
+    from flashdraft.config import load_config
+
+    with pytest.raises(FlashdraftError, match=r"train.max_minutes must be >= 0"):
+        load_config(None, ["train.max_minutes=-1"])
+    with pytest.raises(FlashdraftError, match=r"train.save_every_minutes must be >= 0"):
+        load_config(None, ["train.save_every_minutes=-0.5"])
+
+
+# --------------------------------------------------------------------------- simulated τ beside real τ
+
+
+def test_eval_prints_the_simulated_tau_of_the_checkpoint_beside_the_real_one(
+    budget_run, chain_target, tmp_path
+):
+    from rich.console import Console
+
+    from flashdraft.config import Sampling
+    from flashdraft.infer.evaluate import EvalSettings, run_eval
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, _ = budget_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["tau"] for r in rows if r["kind"] == "eval"}
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "why be brief"}]}) + "\n")
+    first = list_checkpoints(run)[0]
+    step = int(first.name.removeprefix("step-"))
+    console = Console(record=True, width=200)
+    settings = EvalSettings(sampling=Sampling(max_new_tokens=16))
+    report = run_eval(
+        str(chain_target), str(first / "drafter"), str(prompts), settings, device="cpu", console=console
+    )
+    assert report["simulated"]["step"] == step and report["simulated"]["tau"] == evals[step]
+    assert f"simulated τ, held-out (training step {step})" in console.export_text()
+    # best/ is the first evaluation at the run's highest τ
+    best = run_eval(
+        str(chain_target), str(run / "best"), str(prompts), settings, device="cpu", console=console
+    )
+    top = max(evals.values())
+    assert best["simulated"]["tau"] == top and best["simulated"]["step"] == min(
+        s for s, t in evals.items() if t == top
+    )
+    # a drafter directory that is not a run's has none
+    plain = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(first / "drafter", plain)
+    assert "simulated" not in run_eval(
+        str(chain_target), str(plain), str(prompts), settings, device="cpu", console=console
+    )
+
+
+# --------------------------------------------------------------------------- the whole benchmark
+
+
+@pytest.mark.slow
+def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau(chain_target, tmp_path):
+    from flashdraft.cli import main
+
+    out = tmp_path / "quality.json"
+    argv = [
+        "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
+        "--device", "cpu", "--prompts", "24", "--eval-prompts", "3", "--answer-tokens", "24",
+        "--gpu-minutes", "0.04", "--curve-points", "2", "--max-new-tokens", "16",
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
+        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
+    ]  # fmt: skip
+    assert main(["bench", "quality", *argv]) == 0
+    result = json.loads(out.read_text())
+    assert result["producer"] == "flashdraft bench quality" and result["command"].startswith(
+        "flashdraft bench quality"
+    )
+    assert result["git_commit"] and result["device"]
+    assert result["prompts"]["train_prompts"] == 24 and result["data"]["train"]["samples"] == 24
+    curve = result["curve"]
+    assert len(curve) >= 2
+    minutes = [p["gpu_minutes"] for p in curve]
+    assert minutes == sorted(minutes) and minutes[-1] >= 0.04
+    for point in curve:
+        assert 1 <= point["tau"] <= 4 and 1 <= point["simulated_tau"] <= 4
+        assert len(point["acceptance_by_position"]) == 3 and point["speedup"] > 0
+    assert result["final"] == curve[-1]
+    assert ("zlab_tau" in curve[-1]) == result["zlab_available"]
+    assert all("zlab_tau" not in p for p in curve[:-1])
+
+
+def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path):
+    from flashdraft.bench.quality import build_parser, run_quality
+
+    def run(*flags: str) -> None:
+        # small sizes: were a check missing, the benchmark would run, and fail the test, quickly
+        small = ["--prompts", "2", "--eval-prompts", "1", "--gpu-minutes", "0.01", "--max-new-tokens", "2"]
+        args = build_parser().parse_args(
+            ["--target", str(chain_target), "--work", str(tmp_path / "w"), *small, *flags]
+        )
+        run_quality(args, [])
+
+    with pytest.raises(FlashdraftError, match="--curve-points must be at least 2"):
+        run("--curve-points", "1")
+    with pytest.raises(FlashdraftError, match=r"--max-length must be at least 2 \* --block-size \(32\)"):
+        run("--max-length", "20")
+    with pytest.raises(FlashdraftError, match="--mask-token-id 128 is outside the target vocabulary"):
+        run("--mask-token-id", "128")
+    with pytest.raises(FlashdraftError, match=r"no config\.json"):  # the target is checked too
+        run_quality(build_parser().parse_args(["--target", str(tmp_path), "--work", str(tmp_path / "w")]), [])
+    assert not (tmp_path / "w").exists()  # nothing was built, not even the work directory
