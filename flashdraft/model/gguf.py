@@ -172,6 +172,13 @@ def convert_gguf(
     return Path(out)
 
 
+def is_conversion_of(directory: Path, gguf_file: Path, dtype: str = "fp32") -> bool:
+    """`directory` holds an up-to-date conversion of `gguf_file` (same path, size and modification time)."""
+    return (directory / "config.json").is_file() and _read_marker(directory) == _source_record(
+        gguf_file, dtype
+    )
+
+
 def cache_directory(gguf_file: Path) -> Path:
     """Where a GGUF target is converted: beside the file (`NAME.hf/`) when its directory is writable, else
     under the user cache ($XDG_CACHE_HOME or ~/.cache, `flashdraft/gguf/NAME-<size>/`)."""
@@ -190,7 +197,7 @@ def target_directory(path: str | Path, label: str = "target") -> Path:
     gguf_file = find_gguf(path, label)
     cache = cache_directory(gguf_file)
     with _locked(cache.parent):  # the ranks of one run load the target at once: one converts
-        if _read_marker(cache) == _source_record(gguf_file, "fp32") and (cache / "config.json").is_file():
+        if is_conversion_of(cache, gguf_file):
             return cache
         print(f"converting the GGUF target {gguf_file} to {cache} (once; later loads reuse it)", flush=True)
         return convert_gguf(gguf_file, cache, dtype="fp32", label=label)
