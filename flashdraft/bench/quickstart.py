@@ -34,7 +34,7 @@ from flashdraft.train.trainer import train
 
 MASK_TOKEN_ID = 511  # the random tiny target's last embedding row, never produced by its greedy responses
 DEFAULT_STEPS = 200
-DEFAULT_REAL_STEPS = 200
+REAL_STEPS = {"cuda": 200, "cpu": 40}  # drafter steps of --real by device
 
 
 @torch.no_grad()
@@ -92,6 +92,7 @@ class Plan:
     max_new_tokens: int
     device: str
     lr: float
+    steps: int = 0  # drafter steps the plan chose (0: the caller's)
     facts: dict[str, Any] = field(default_factory=dict)  # what the target learned, for the summary
 
 
@@ -223,7 +224,7 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def real_plan(out: Path, console: Console, steps: int) -> Plan:
+def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     import importlib.util
     import os
 
@@ -250,12 +251,18 @@ def real_plan(out: Path, console: Console, steps: int) -> Plan:
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)  # a 135M model's matrices are worth every core
     conversations, prompts, answer_tokens, batch = REAL_SIZES[device]
-    # Rough rates measured on an H200 and a 2-core CPU (docs/real-target.md).
-    minutes = 4 if device == "cuda" else 8 + steps * 6 / 60
+    steps = steps or REAL_STEPS[device]
+    if device == "cpu":
+        # Rates seen on a busy 2-core machine (docs/real-target.md): about half a minute per answer and
+        # per drafter step, scaled down with more cores.
+        minutes = (2 + 0.5 * (conversations + prompts) + 0.5 * steps + 5) * 2 / max(2, os.cpu_count() or 1)
+        guess = f"about {minutes:.0f} minutes on {os.cpu_count()} CPU cores (a GPU takes minutes)"
+    else:
+        guess = "a few minutes on a GPU (not measured yet)"
     console.print(
-        f"[bold]quickstart --real[/]: SmolLM2-135M-Instruct from {gguf} on the {device.upper()}; "
-        f"expect about {minutes:.0f} minutes (conversion, {conversations} regenerated answers, {steps} "
-        "drafter steps, decoding)",
+        f"[bold]quickstart --real[/]: SmolLM2-135M-Instruct from {gguf} on the {device.upper()}: "
+        f"{conversations} regenerated answers, {steps} drafter steps, {prompts} held-out prompts; expect "
+        f"{guess}",
         highlight=False,
     )
     target_dir = out / "target"
@@ -290,6 +297,7 @@ def real_plan(out: Path, console: Console, steps: int) -> Plan:
         max_new_tokens=answer_tokens,
         device=device,
         lr=3e-3,
+        steps=steps,
         facts={"target": str(gguf)},
     )
 
@@ -302,8 +310,12 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
     # The tiny models' matrices are too small to split across CPU threads: on a 2-core machine, waking the
     # second thread for every op made greedy generation 8x slower (2.6 s against 0.32 s for 64 tokens).
     torch.set_num_threads(1)
-    steps = steps or (DEFAULT_REAL_STEPS if real else DEFAULT_STEPS)
-    plan = real_plan(out, console, steps) if real else tiny_plan(out, console)
+    if real:
+        plan = real_plan(out, console, steps)
+        steps = plan.steps
+    else:
+        steps = steps or DEFAULT_STEPS
+        plan = tiny_plan(out, console)
 
     config = load_config(
         None,
