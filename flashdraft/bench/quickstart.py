@@ -266,7 +266,8 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
         highlight=False,
     )
     target_dir = out / "target"
-    if not is_conversion_of(target_dir, gguf):
+    fresh_target = not is_conversion_of(target_dir, gguf)
+    if fresh_target:
         console.print(f"[bold]1.[/] converting the GGUF file to a plain Hugging Face directory {target_dir}")
         convert_gguf(gguf, target_dir, label=f"--from-package {REAL_PACKAGE} file")
     else:
@@ -274,12 +275,17 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
 
     train_files, heldout_files = stdlib_files()
     train_chats, heldout_chats = out / "conversations.jsonl", out / "heldout.jsonl"
-    write_jsonl(train_chats, code_questions(train_files, conversations, seed=1))
-    write_jsonl(heldout_chats, code_questions(heldout_files, prompts, seed=2))
     sampling = Sampling(max_new_tokens=answer_tokens)
-    for chats, shards in ((train_chats, out / "shards"), (heldout_chats, out / "eval-shards")):
-        if (shards / MANIFEST).is_file():
+    for chats, records, shards in (
+        (train_chats, code_questions(train_files, conversations, seed=1), out / "shards"),
+        (heldout_chats, code_questions(heldout_files, prompts, seed=2), out / "eval-shards"),
+    ):
+        # Answers are reused only for the same questions (same sizes) and the same converted target.
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        same = chats.is_file() and chats.read_text() == text
+        if same and not fresh_target and (shards / MANIFEST).is_file():
             continue
+        atomic_write_text(chats, text)
         console.print(f"[bold]2.[/] the target answers {chats.name} (greedy): {shards}")
         settings = PrepareSettings(max_length=1024, regenerate=True, batch_size=16, sampling=sampling)
         prepare([str(chats)], str(target_dir), str(shards), settings, console=console)
