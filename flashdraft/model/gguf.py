@@ -152,7 +152,8 @@ def convert_gguf(
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = gguf_file.stem
-    with torch.device("meta"):
+    with torch.device("meta"):  # no random init of weights that are replaced at once; the rotary
+        # buffers left on "meta" are not saved (non-persistent) and are rebuilt when the directory loads
         plain = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     plain.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in loaded.state_dict().items()}, assign=True)
     plain.tie_weights()
@@ -166,10 +167,22 @@ def convert_gguf(
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             atomic_write_json(tmp / MARKER_NAME, _source_record(gguf_file, dtype))
-    except OSError as exc:
-        reason = disk_full_reason(exc, out) or exc.strerror or str(exc)
-        raise FlashdraftError(f"--out {out}: writing the converted model failed: {reason}") from None
+    except Exception as exc:  # safetensors reports a full disk with its own error type, not OSError
+        reason = disk_full_reason(exc, Path(out).parent)
+        if reason is None and not isinstance(exc, OSError):
+            raise
+        reason = reason or getattr(exc, "strerror", None) or str(exc)
+        raise FlashdraftError(
+            f"--out {out}: writing the converted model failed: {reason}; nothing was left there"
+        ) from None
     return Path(out)
+
+
+def is_conversion_of(directory: Path, gguf_file: Path, dtype: str = "fp32") -> bool:
+    """`directory` holds an up-to-date conversion of `gguf_file` (same path, size and modification time)."""
+    return (directory / "config.json").is_file() and _read_marker(directory) == _source_record(
+        gguf_file, dtype
+    )
 
 
 def cache_directory(gguf_file: Path) -> Path:
@@ -190,7 +203,7 @@ def target_directory(path: str | Path, label: str = "target") -> Path:
     gguf_file = find_gguf(path, label)
     cache = cache_directory(gguf_file)
     with _locked(cache.parent):  # the ranks of one run load the target at once: one converts
-        if _read_marker(cache) == _source_record(gguf_file, "fp32") and (cache / "config.json").is_file():
+        if is_conversion_of(cache, gguf_file):
             return cache
         print(f"converting the GGUF target {gguf_file} to {cache} (once; later loads reuse it)", flush=True)
         return convert_gguf(gguf_file, cache, dtype="fp32", label=label)

@@ -157,10 +157,15 @@ def test_real_gguf_converts_to_a_plain_directory(real_copy, real_converted, caps
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, direct(ids).logits)
 
-    # A second load reuses the conversion instead of redoing it.
+    # Later loads of the .gguf as a target (config, tokenizer, model) reuse the conversion.
+    from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
+
     capsys.readouterr()
     stamp = (real_converted / "model.safetensors").stat().st_mtime_ns
     assert target_directory(real_copy) == real_converted
+    assert load_target_config(real_copy).vocab_size == 49152
+    assert load_target_tokenizer(real_copy).chat_template == tokenizer.chat_template
+    assert TargetModel.load(real_copy.parent, [1, 28]).num_layers == 30  # the directory holding the .gguf
     assert "converting" not in capsys.readouterr().out
     assert (real_converted / "model.safetensors").stat().st_mtime_ns == stamp
 
@@ -186,3 +191,16 @@ def test_real_full_vocabulary_gets_an_unused_special_mask_token(real_converted):
         tokenizer.bos_token_id,
         tokenizer.pad_token_id,
     )
+
+
+@pytest.mark.slow
+def test_a_full_disk_leaves_no_half_written_conversion(real_copy, tmp_path):
+    from tests.filesystems import tmpfs
+
+    with tmpfs(tmp_path / "small", "64m") as small:  # the fp32 weights alone are 540 MB
+        out = small / "model"
+        with pytest.raises(
+            FlashdraftError, match=rf"--out {out}: writing the converted model failed: No space left"
+        ):
+            convert_gguf(real_copy, out)
+        assert list(small.iterdir()) == []  # neither the directory nor its temporary
