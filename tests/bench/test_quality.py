@@ -362,3 +362,16 @@ def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path)
     with pytest.raises(FlashdraftError, match=r"no config\.json"):  # the target is checked too
         run_quality(build_parser().parse_args(["--target", str(tmp_path), "--work", str(tmp_path / "w")]), [])
     assert not (tmp_path / "w").exists()  # nothing was built, not even the work directory
+
+
+def test_a_compile_stall_does_not_decay_the_budget_schedule():
+    from flashdraft.train.trainer import budget_schedule_position
+
+    # 100 s budget; step 10 done after a 50 s compile stall and nine 0.1 s steps: about 500 steps still fit,
+    # so the schedule stands at ~2% of its length, not at the 51% of the budget the clock has spent.
+    steps = [50.0] + [0.1] * 9
+    position = budget_schedule_position(10, 10_000, 100.0, sum(steps), steps)
+    assert 150 <= position <= 250
+    # Without a step yet, and past the budget, the ends are the step itself and the whole schedule.
+    assert budget_schedule_position(0, 10_000, 100.0, 0.0, []) == 0
+    assert budget_schedule_position(400, 10_000, 100.0, 120.0, [0.1] * 10) == 10_000
