@@ -39,6 +39,7 @@ from flashdraft.data.stdlib_prompts import write_prompt_files
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, resolve_device, run_eval
+from flashdraft.infer.report import png_written_by
 from flashdraft.model.drafter_dir import resolve_mask_token_id
 from flashdraft.model.target import load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
@@ -202,16 +203,6 @@ def text_curve(curve: list[dict[str, Any]], block: int, width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def _png_is_ours(path: Path) -> bool:
-    try:
-        from PIL import Image
-
-        with Image.open(path) as image:
-            return image.info.get("Software") == PRODUCER
-    except Exception:  # not an image PIL reads: not ours
-        return False
-
-
 def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
     """The curve as a PNG, when matplotlib is importable (an optional extra); True when written."""
     if importlib.util.find_spec("matplotlib") is None:
@@ -331,7 +322,7 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     try:
         atomic_write_json(out, result, indent=2)
         png = out.with_suffix(".png")
-        if png.exists() and not _png_is_ours(png):
+        if png.exists() and not png_written_by(png, PRODUCER):
             console.print(f"not drawing the curve: {png} exists and this benchmark did not write it")
         elif png != out and plot_curve(curve, png):
             console.print(f"curve drawn to {png}")

@@ -122,15 +122,20 @@ def check_plot_path(path: str | Path) -> None:
         )
 
 
-def plot_is_ours(path: Path) -> bool:
-    """A PNG written by `plot` (it carries Software=flashdraft eval), which a rerun may overwrite."""
+def png_written_by(path: Path, producer: str) -> bool:
+    """A PNG whose Software field names `producer` (flashdraft's plots carry it), which a rerun may overwrite."""
     try:
         from PIL import Image
 
         with Image.open(path) as image:
-            return image.info.get("Software") == PRODUCER
+            return image.info.get("Software") == producer
     except Exception:  # not an image PIL reads: not ours
         return False
+
+
+def plot_is_ours(path: Path) -> bool:
+    """A PNG written by `plot` (Software=flashdraft eval)."""
+    return png_written_by(path, PRODUCER)
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:
