@@ -13,6 +13,9 @@
 #   real-setup: join the halves, check the SHA-256, install gguf (.whl), flashdraft convert -> $REAL/smollm2
 #   quality: flashdraft bench quality on the real target (stdlib prompts, a GPU-minute budget, real and
 #          simulated τ per curve point, z-lab's τ at the end); MINUTES sets the budget (default 2.5)
+#   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
+#   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
+#   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
 #   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
@@ -37,6 +40,19 @@ case "${1:-tests}" in
       --curve-points 2 --max-new-tokens 128 --out "$out/quality_h200_smollm2.json" > "$out/quality.log" 2>&1
     grep -v -i warn "$out/quality.log" | tail -45
     cp $REAL/quality/quality.png "$out/" 2>/dev/null ;;
+  scaling)
+    for run in "1 b1" "2 b2 --data-parallel ddp" "2 s11 --mode split --target-ranks 1"; do
+      set -- $run
+      python3 -m flashdraft bench train --nproc-per-node $1 --workdir /tmp/bw "${@:3}" \
+        --out "$out/scaling_h200_$2.json" > "$out/scaling_$2.log" 2>&1
+      grep -v -i warn "$out/scaling_$2.log" | tail -4
+    done ;;
+  packing)
+    python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
+      --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
+  newtests)
+    python3 -m pytest -m gpu tests/model/test_dflash2_gpu.py tests/train/test_optim.py -q -p no:cacheprovider \
+      2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
     baseline=""  # the plain-generate baseline is timed once, with the first engine
     for engine in ${ENGINES:-auto}; do
