@@ -708,8 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
-        help="benchmarks: flashdraft bench train [--shape a|b ...] | regen | eval | data | quality "
-        "(flashdraft bench quality --help)",
+        help="benchmarks: flashdraft bench train [--shape a|b ...] [--data SHARDS --packing on|off|both] "
+        "[--nproc-per-node N --mode split] | regen | eval | data | quality (flashdraft bench WHAT --help)",
     )
     p.add_argument("what", choices=["train", "regen", "eval", "data", "quality"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
