@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from flashdraft.config import Config, to_dict
 from flashdraft.errors import FlashdraftError
 
 # Keys that do not change what is computed: logging, checkpoint cadence, evaluation, placement, paths.
@@ -72,6 +73,12 @@ def check_resume_config(
 ) -> None:
     """Refuse to continue `source` when a trajectory-changing setting differs, listing each `key old -> new`."""
     old, new = flatten(saved), flatten(config)
+    # A checkpoint written before a setting existed ran with that setting's default behaviour: the key is
+    # absent, not changed, when this run keeps the default (e.g. train.loss=ce for a pre-loss checkpoint).
+    defaults = flatten(to_dict(Config()))
+    for key in set(new) - set(old):
+        if key in defaults and new[key] == defaults[key]:
+            old[key] = new[key]
     changes, longer = [], []
     for key in sorted(set(old) | set(new)):
         if key in EXEMPT or key == "train.batch_size" or old.get(key) == new.get(key):

@@ -254,3 +254,16 @@ def test_config_yaml_records_the_drafters_values_and_a_disagreement_is_refused(
 
     with pytest.raises(FlashdraftError, match=r"model.block_size=8 disagrees with model.drafter=.*: 4\)"):
         train(load_config(None, [*unset, "model.block_size=8", f"train.out_dir={tmp_path / 'third'}"]))
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_when_the_setting_keeps_its_default():
+    from flashdraft.config import Config, to_dict
+    from flashdraft.train.resume import check_resume_config
+
+    now = to_dict(Config())
+    older = to_dict(Config())
+    del older["train"]["loss"], older["train"]["position_weight"]  # written before these fields existed
+    check_resume_config(older, 1, now, 1, allow_changes=False, source="ckpt", log=lambda _: None)
+    now["train"]["loss"] = "kl"  # not the default: the old run did not train with it
+    with pytest.raises(FlashdraftError, match=r"train.loss None -> 'kl'"):
+        check_resume_config(older, 1, now, 1, allow_changes=False, source="ckpt", log=lambda _: None)
