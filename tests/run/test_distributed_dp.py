@@ -29,7 +29,7 @@ def _train(setup, out: Path, ranks: int, **settings) -> subprocess.CompletedProc
     )
     cmd = [sys.executable, *launcher, "-m", "flashdraft", "train", str(setup["config"])]
     proc = subprocess.run(
-        [*cmd, *_args(**settings), f"train.out_dir={out}"], capture_output=True, text=True, timeout=170
+        [*cmd, *_args(**settings), f"train.out_dir={out}"], capture_output=True, text=True, timeout=480
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -140,7 +140,7 @@ def test_resume_with_another_global_micro_batch_is_refused(setup, tmp_path):
         [*cmd, *_args(**{"train.batch_size": 2, "train.max_steps": 4}), f"train.out_dir={out}"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "global micro-batch (train.batch_size x ranks) 4 x 1 -> 2 x 1" in proc.stderr + proc.stdout
