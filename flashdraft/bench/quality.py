@@ -13,6 +13,10 @@ One command, the real paths end to end (docs/quality-benchmark.md):
 
 The result JSON carries the command, machine and commit (flashdraft/bench/provenance.py); the curve is
 printed as a table and as text, and drawn to a PNG beside the JSON when matplotlib is present.
+
+With `--variant` (repeated), steps 3-4 run once per variant (a preset such as `dflash-dpace`, or
+`NAME:key=value,...` config overrides) on the same regenerated data and the same budget each, one
+variant per GPU at a time when several are visible, and the result compares them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import importlib.util
 import io
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,15 @@ from flashdraft.train.trainer import train
 PRODUCER = "flashdraft bench quality"  # recorded in the result: a rerun may overwrite what it wrote
 # The budget, not the epoch count, ends training: enough epochs that no realistic budget runs out of them.
 EPOCHS = 1000
+# Named training variants for `--variant` (issue 16's comparison). Each spells out every setting its name
+# promises, so a preset keeps its meaning when a default changes.
+PRESETS: dict[str, list[str]] = {
+    "dflash-decay": ["model.arch=dflash", "train.loss=ce", "train.position_weight=decay"],
+    "dflash-dpace": ["model.arch=dflash", "train.loss=ce", "train.position_weight=dpace"],
+    "dflash-kl": ["model.arch=dflash", "train.loss=kl", "train.position_weight=decay"],
+    "dflash-lk": ["model.arch=dflash", "train.loss=lk", "train.position_weight=decay"],
+    "dflash2": ["model.arch=dflash2", "train.loss=ce", "train.position_weight=decay"],
+}
 
 
 def positive_float(text: str) -> float:
@@ -95,8 +111,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-every", type=positive_int, default=500, help="steps between simulated-τ evaluations"
     )
     p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument(
+        "--variant",
+        action="append",
+        type=variant_spec,
+        default=[],
+        metavar="SPEC",
+        help=f"train and evaluate this variant too (repeatable): a preset ({', '.join(PRESETS)}) or "
+        "NAME:key=value[,key=value] config overrides; all share the data and the budget",
+    )
+    p.add_argument(
+        "--variants-per-gpu",
+        type=positive_int,
+        default=1,
+        help="variants trained at once on each GPU (equal conditions for all; a small target leaves a GPU "
+        "mostly idle)",
+    )
+    p.add_argument(
+        "--reuse-data",
+        action="store_true",
+        help="train on WORK/data as an earlier run prepared it (no prompts or regeneration)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an --out flashdraft did not write")
     return p
+
+
+def variant_spec(text: str) -> tuple[str, list[str]]:
+    """`--variant` -> (name, config overrides)."""
+    if text in PRESETS:
+        return text, PRESETS[text]
+    name, sep, body = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a preset ({', '.join(PRESETS)}) nor NAME:key=value[,key=value]"
+        )
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise argparse.ArgumentTypeError(f"variant name {name!r}: use letters, digits, '-', '_' and '.'")
+    overrides = [item.strip() for item in body.split(",") if item.strip()]
+    if not overrides or not all("=" in item for item in overrides):
+        raise argparse.ArgumentTypeError(f"variant {name!r}: expected key=value overrides, got {body!r}")
+    return name, overrides
 
 
 def _result_is_ours(path: Path) -> bool:
@@ -115,6 +169,20 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
             f"--max-length must be at least 2 * --block-size ({2 * args.block_size}), got {args.max_length}"
         )
     resolve_device(args.device)
+    names = [name for name, _ in args.variant]
+    if len(set(names)) != len(names):
+        raise FlashdraftError(f"--variant: each name once, got {', '.join(names)}")
+    for name, overrides in args.variant or [("default", [])]:
+        try:  # unknown keys and bad values fail here, before any work
+            load_config(None, training_overrides(args, Path(args.work), name) + overrides)
+        except FlashdraftError as exc:
+            raise FlashdraftError(f"--variant {name}: {exc}") from None
+    if args.reuse_data:
+        for split in ("train", "eval"):
+            if not (Path(args.work) / "data" / split / "manifest.json").is_file():
+                raise FlashdraftError(
+                    f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
+                )
     target_config = load_target_config(args.target)
     resolve_mask_token_id(args.target, target_config, args.mask_token_id, "--mask-token-id")
     tokenizer = load_target_tokenizer(args.target, required=True)
@@ -140,7 +208,12 @@ def regenerate(inputs: Path, out: Path, args: argparse.Namespace, max_new_tokens
     return prepare([str(inputs)], args.target, str(out), settings, command=f"{PRODUCER} (prepare {out.name})")
 
 
-def training_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+def variant_dir(work: Path, name: str) -> Path:
+    """Where a variant's run and eval reports go: WORK itself for the single default run."""
+    return work if name == "default" else work / "variants" / name
+
+
+def training_overrides(args: argparse.Namespace, work: Path, name: str = "default") -> list[str]:
     minutes = args.gpu_minutes
     return [
         f"model.target={args.target}",
@@ -150,7 +223,7 @@ def training_overrides(args: argparse.Namespace, work: Path) -> list[str]:
         f"data.train=[{work / 'data' / 'train'}]",
         f"data.eval=[{work / 'data' / 'eval'}]",
         f"data.max_length={args.max_length}",
-        f"train.out_dir={work / 'run'}",
+        f"train.out_dir={variant_dir(work, name) / 'run'}",
         f"train.epochs={EPOCHS}",
         f"train.max_minutes={minutes}",
         f"train.save_every_minutes={minutes / args.curve_points}",
@@ -203,8 +276,9 @@ def text_curve(curve: list[dict[str, Any]], block: int, width: int = 40) -> str:
     return "\n".join(lines)
 
 
-def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
-    """The curve as a PNG, when matplotlib is importable (an optional extra); True when written."""
+def plot_curve(variants: dict[str, dict[str, Any]], path: Path) -> bool:
+    """Each variant's curve in one PNG (real τ solid, simulated dashed), when matplotlib is importable (an
+    optional extra); True when written."""
     if importlib.util.find_spec("matplotlib") is None:
         return False
     import matplotlib
@@ -212,13 +286,21 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [p for p in curve if p["gpu_minutes"] is not None]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    minutes = [p["gpu_minutes"] for p in points]
-    ax.plot(minutes, [p["tau"] for p in points], "o-", label="real τ (speculative decoding)")
-    ax.plot(minutes, [p["simulated_tau"] for p in points], "s--", label="simulated τ (held-out)")
+    for name, variant in variants.items():
+        points = [p for p in variant["curve"] if p["gpu_minutes"] is not None]
+        minutes = [p["gpu_minutes"] for p in points]
+        label = "" if name == "default" else f"{name}: "
+        line = ax.plot(minutes, [p["tau"] for p in points], "o-", label=f"{label}real τ")[0]
+        ax.plot(
+            minutes,
+            [p["simulated_tau"] for p in points],
+            "s--",
+            color=line.get_color(),
+            label=f"{label}simulated τ (held-out)",
+        )
     ax.set(xlabel="GPU minutes of training", ylabel="τ", title="drafter quality vs training budget")
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120, metadata={"Software": PRODUCER})
@@ -227,16 +309,8 @@ def plot_curve(curve: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Console | None = None) -> dict:
-    console = console or Console()
-    work = Path(args.work)
-    out = Path(args.out) if args.out else work / "quality.json"
-    check_inputs(args, out)
-    (work / "data").mkdir(parents=True, exist_ok=True)
-    zlab = importlib.util.find_spec("dflash") is not None
-    timings: dict[str, float] = {}
-
-    # 1. prompts
+def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:
+    """Steps 1-2: the prompt files and the target's answers to them, as training and held-out shards."""
     started = time.perf_counter()
     prompts = write_prompt_files(
         work / "prompts" / "train.jsonl", work / "prompts" / "eval.jsonl", args.prompts, args.eval_prompts
@@ -245,31 +319,42 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         f"[bold]1.[/] {prompts['train_prompts']} training prompts from {prompts['train_modules']} stdlib "
         f"modules, {prompts['eval_prompts']} held out from {', '.join(prompts['eval_modules'])}"
     )
-
-    # 2. the target's own answers, through prepare
     data = {}
     for split in ("train", "eval"):
         manifest = regenerate(
             work / "prompts" / f"{split}.jsonl", work / "data" / split, args, args.answer_tokens
         )
         data[split] = {k: manifest[k] for k in ("samples", "dropped", "tokens", "supervised_tokens")}
-    timings["data_s"] = round(time.perf_counter() - started, 1)
-    console.print(f"[bold]2.[/] regenerated answers in {timings['data_s']} s: {data}")
+    seconds = round(time.perf_counter() - started, 1)
+    console.print(f"[bold]2.[/] regenerated answers in {seconds} s: {data}")
+    return {"prompts": prompts, "data": data, "data_s": seconds}
 
-    # 3. training within the budget
+
+def reused_data(work: Path) -> dict[str, Any]:
+    """What `--reuse-data` trains on, read back from the prepared shards' manifests."""
+    data = {}
+    for split in ("train", "eval"):
+        manifest = json.loads((work / "data" / split / "manifest.json").read_text())
+        data[split] = {k: manifest.get(k) for k in ("samples", "dropped", "tokens", "supervised_tokens")}
+    return {"prompts": None, "data": data, "data_s": 0.0}
+
+
+def train_and_evaluate(
+    args: argparse.Namespace, work: Path, name: str, overrides: list[str], console: Console, zlab: bool
+) -> dict[str, Any]:
+    """Steps 3-4 for one variant: train within the budget, then decode every curve checkpoint for real."""
+    home = variant_dir(work, name)
     started = time.perf_counter()
-    run = work / "run"
+    run = home / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: the curve must start from step 0
-    trained = train(load_config(None, training_overrides(args, work)))
-    timings["train_s"] = round(time.perf_counter() - started, 1)
+    trained = train(load_config(None, training_overrides(args, work, name) + overrides))
+    train_s = round(time.perf_counter() - started, 1)
     console.print(
-        f"[bold]3.[/] trained {trained['steps']} steps in {trained['train_minutes']:.2f} training minutes "
-        f"({timings['train_s']} s with evaluation and checkpoints)"
+        f"[bold]3.[/] {name}: trained {trained['steps']} steps in {trained['train_minutes']:.2f} training "
+        f"minutes ({train_s} s with evaluation and checkpoints)"
     )
-
-    # 4. real speculative decoding of every curve checkpoint
     started = time.perf_counter()
-    reports = work / "eval"
+    reports = home / "eval"
     shutil.rmtree(reports, ignore_errors=True)
     checkpoints = list_checkpoints(run)
     curve = []
@@ -289,22 +374,18 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             console=console,
         )
         curve.append(curve_point(report, step))
-    timings["eval_s"] = round(time.perf_counter() - started, 1)
-
-    result = {
-        **provenance("quality", argv),
-        "producer": PRODUCER,
-        "target": str(args.target),
-        "settings": vars(args),
-        "prompts": prompts,
-        "data": data,
+    eval_s = round(time.perf_counter() - started, 1)
+    return {
+        "overrides": overrides,
         "training": trained,
         "curve": curve,
         "final": curve[-1] if curve else None,
-        "zlab_available": zlab,
-        "timings": timings,
+        "timings": {"train_s": train_s, "eval_s": eval_s},
     }
-    table = Table(title=f"flashdraft bench quality: {args.target}, {args.gpu_minutes} GPU minutes")
+
+
+def curve_table(title: str, curve: list[dict[str, Any]]) -> Table:
+    table = Table(title=title)
     for column in ("step", "GPU min", "τ real", "τ simulated", "τ z-lab", "speedup", "acceptance 1..B-1"):
         table.add_column(column, justify="right")
     for p in curve:
@@ -317,14 +398,141 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             "-" if p["speedup"] is None else f"{p['speedup']:.2f}x",
             " ".join(f"{r:.2f}" for r in p["acceptance_by_position"]),
         )
-    console.print(table)
-    console.print(text_curve(curve, args.block_size), highlight=False, markup=False)
+    return table
+
+
+def comparison_table(title: str, variants: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title=title)
+    for column in ("variant", "overrides", "steps", "τ real", "τ simulated", "τ z-lab", "speedup"):
+        table.add_column(column, justify="right")
+    for name, v in variants.items():
+        final = v["final"] or {}
+        table.add_row(
+            name,
+            " ".join(v["overrides"]) or "(defaults)",
+            str(v["training"]["steps"]),
+            f"{final.get('tau', math.nan):.3f}",
+            "-" if final.get("simulated_tau") is None else f"{final['simulated_tau']:.3f}",
+            f"{final['zlab_tau']:.3f}" if "zlab_tau" in final else "-",
+            "-" if final.get("speedup") is None else f"{final['speedup']:.2f}x",
+        )
+    return table
+
+
+def variant_devices(device: str, per_gpu: int = 1) -> list[str]:
+    """The slots variants run in side by side: every visible GPU (`per_gpu` times) for auto/cuda, `per_gpu`
+    times the GPU asked for, else the one device asked for."""
+    import torch
+
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())] * per_gpu
+    return [device] * (per_gpu if device.startswith("cuda") else 1)
+
+
+def child_argv(args: argparse.Namespace, spec: tuple[str, list[str]], device: str, out: Path) -> list[str]:
+    """This benchmark's flags for one variant in its own process, on its own device, on the shared data."""
+    argv = []
+    for action in build_parser()._actions:
+        skip = ("help", "variant", "device", "out", "reuse_data", "variants_per_gpu")
+        if not action.option_strings or action.dest in skip:
+            continue
+        value = getattr(args, action.dest)
+        if action.const is True:  # a store_true flag
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv += [action.option_strings[0], str(value)]
+    name, overrides = spec
+    return [*argv, "--variant", f"{name}:{','.join(overrides)}", "--device", device, "--out", str(out)]
+
+
+def run_variants_side_by_side(
+    args: argparse.Namespace, work: Path, devices: list[str], console: Console
+) -> dict[str, dict[str, Any]]:
+    """One process per variant, at most one per device at a time; each writes its own result JSON and log
+    under WORK/variants/NAME/. A failed variant fails the benchmark, naming its log."""
+    pending, running, done, failed = list(args.variant), {}, {}, []
+    free = list(devices)
+    while pending or running:
+        while pending and free:
+            spec, device = pending.pop(0), free.pop(0)
+            home = variant_dir(work, spec[0])
+            home.mkdir(parents=True, exist_ok=True)
+            log = (home / "log.txt").open("w")
+            argv = ["--reuse-data", *child_argv(args, spec, device, home / "quality.json")]
+            command = [sys.executable, "-m", "flashdraft", "bench", "quality", *argv]
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+            running[process] = (spec, device, log)
+            console.print(f"variant {spec[0]} on {device} (log: {home / 'log.txt'})")
+        finished = None
+        while finished is None:
+            finished = next((p for p in running if p.poll() is not None), None)
+            if finished is None:
+                time.sleep(1.0)
+        spec, device, log = running.pop(finished)
+        log.close()
+        free.append(device)
+        home = variant_dir(work, spec[0])
+        if finished.returncode != 0:
+            failed.append(f"{spec[0]} (exit {finished.returncode}, log {home / 'log.txt'})")
+            continue
+        child = json.loads((home / "quality.json").read_text())
+        done[spec[0]] = child["variants"][spec[0]]
+        console.print(f"variant {spec[0]} done: final τ {done[spec[0]]['final']['tau']:.3f}")
+    if failed:
+        raise FlashdraftError(f"bench quality: variant(s) failed: {'; '.join(failed)}")
+    return {spec[0]: done[spec[0]] for spec in args.variant}
+
+
+def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Console | None = None) -> dict:
+    console = console or Console()
+    work = Path(args.work)
+    out = Path(args.out) if args.out else work / "quality.json"
+    check_inputs(args, out)
+    (work / "data").mkdir(parents=True, exist_ok=True)
+    zlab = importlib.util.find_spec("dflash") is not None
+
+    # 1-2. prompts and the target's own answers, once for every variant
+    prepared = reused_data(work) if args.reuse_data else prepare_data(args, work, console)
+
+    # 3-4. per variant: training within the budget, real decoding of the curve's checkpoints
+    devices = variant_devices(args.device, args.variants_per_gpu)
+    if len(args.variant) > 1 and len(devices) > 1:
+        variants = run_variants_side_by_side(args, work, devices, console)
+    else:
+        variants = {
+            name: train_and_evaluate(args, work, name, overrides, console, zlab)
+            for name, overrides in args.variant or [("default", [])]
+        }
+
+    first = next(iter(variants.values()))
+    result = {
+        **provenance("quality", argv),
+        "producer": PRODUCER,
+        "target": str(args.target),
+        "settings": {**vars(args), "variant": [f"{n}:{','.join(o)}" for n, o in args.variant]},
+        "prompts": prepared["prompts"],
+        "data": prepared["data"],
+        # the first variant's run, at the top level as before variants existed
+        "training": first["training"],
+        "curve": first["curve"],
+        "final": first["final"],
+        "variants": variants,
+        "zlab_available": zlab,
+        "timings": {"data_s": prepared["data_s"], **first["timings"]},
+    }
+    for name, variant in variants.items():
+        console.print(
+            curve_table(f"flashdraft bench quality: {name}, {args.gpu_minutes} GPU minutes", variant["curve"])
+        )
+        console.print(text_curve(variant["curve"], args.block_size), highlight=False, markup=False)
+    if len(variants) > 1:
+        console.print(comparison_table(f"variants at {args.gpu_minutes} GPU minutes each", variants))
     try:
         atomic_write_json(out, result, indent=2)
         png = out.with_suffix(".png")
         if png.exists() and not png_written_by(png, PRODUCER):
             console.print(f"not drawing the curve: {png} exists and this benchmark did not write it")
-        elif png != out and plot_curve(curve, png):
+        elif png != out and plot_curve(variants, png):
             console.print(f"curve drawn to {png}")
     except OSError as exc:
         reason = disk_full_reason(exc, out.parent) or exc.strerror or str(exc)

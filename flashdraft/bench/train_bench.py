@@ -402,7 +402,7 @@ def torchrun_bench(argv: list[str]) -> int:
     step_s = statistics.median(seconds)
     samples_per_s = shape["batch"] * trainers / step_s
     result = {
-        **provenance("train-torchrun", argv),
+        **provenance("train", argv),
         "mode": args.mode,
         "gpus": args.nproc_per_node,
         "target_gpus": args.target_ranks if args.mode == "split" else None,

@@ -52,11 +52,14 @@ class _DDP(DistributedDataParallel):
             return getattr(self.module, name)
 
 
-def _sum_in_fp32(group, bucket):  # no annotations: DDP checks them, and these would be strings
-    """DDP comm hook: sum (not average: the loss is already divided by the global weight) in fp32, so bf16
-    gradients of N ranks lose no more than one rounding."""
+def _sum_gradients(group, bucket):  # no annotations: DDP checks them, and these would be strings
+    """DDP comm hook: sum (not average: the loss is already divided by the global weight). With more than
+    two ranks bf16 buckets are summed in fp32, so N ranks' gradients lose no more than one rounding. With
+    two, each element is one addition either way, rounded once to bf16, so the bf16 buffer is summed in
+    place: the same bits for half the bytes on the wire (docs/distributed.md)."""
     buffer = bucket.buffer()
-    wide = buffer if buffer.dtype == torch.float32 else buffer.float()
+    two_ranks = dist.get_world_size(group) == 2
+    wide = buffer if buffer.dtype == torch.float32 or two_ranks else buffer.float()
     future = dist.all_reduce(wide, group=group, async_op=True).get_future()
 
     def write_back(fut: torch.futures.Future) -> torch.Tensor:
@@ -134,7 +137,7 @@ def apply_data_parallel(
             gradient_as_bucket_view=True,
             **no_buffer_sync,
         )
-        ddp.register_comm_hook(group, _sum_in_fp32)
+        ddp.register_comm_hook(group, _sum_gradients)
         return DataParallel("ddp", ddp)
     if kind == "fsdp":
         from torch.distributed.device_mesh import DeviceMesh

@@ -375,3 +375,68 @@ def test_a_compile_stall_does_not_decay_the_budget_schedule():
     # Without a step yet, and past the budget, the ends are the step itself and the whole schedule.
     assert budget_schedule_position(0, 10_000, 100.0, 0.0, []) == 0
     assert budget_schedule_position(400, 10_000, 100.0, 120.0, [0.1] * 10) == 10_000
+
+
+# --------------------------------------------------------------------------- variants on shared data
+
+
+@pytest.mark.slow
+def test_variants_share_the_data_and_budget_and_are_compared(chain_target, tmp_path, monkeypatch):
+    from flashdraft.bench import quality
+    from flashdraft.cli import main
+
+    work, out = tmp_path / "work", tmp_path / "compare.json"
+    argv = [
+        "--target", str(chain_target), "--work", str(work), "--out", str(out),
+        "--device", "cpu", "--prompts", "16", "--eval-prompts", "2", "--answer-tokens", "24",
+        "--gpu-minutes", "0.03", "--curve-points", "2", "--max-new-tokens", "12",
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
+        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
+    ]  # fmt: skip
+    # one device: the variants run one after the other in this process
+    assert main(["bench", "quality", *argv, "--variant", "dflash-dpace", "--variant", "dflash2"]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["variants"]) == ["dflash-dpace", "dflash2"]
+    assert result["variants"]["dflash2"]["overrides"] == quality.PRESETS["dflash2"]
+    for name, variant in result["variants"].items():
+        assert variant["training"]["budget_spent"] and 1 <= variant["final"]["tau"] <= 4
+        run = work / "variants" / name / "run"
+        drafter = json.loads((quality.list_checkpoints(run)[-1] / "drafter" / "config.json").read_text())
+        assert drafter["architectures"] == ["DFlash2DraftModel" if name == "dflash2" else "DFlashDraftModel"]
+    assert result["curve"] == result["variants"]["dflash-dpace"]["curve"]
+    journal = sorted((work / "data" / "train").glob("regenerated.jsonl*"))
+    stamp = [p.stat().st_mtime_ns for p in journal]
+
+    # several devices: one process per variant, side by side, on the data prepared above
+    monkeypatch.setattr(quality, "variant_devices", lambda device, per_gpu: ["cpu"] * 2)
+    args = quality.build_parser().parse_args(
+        [*argv, "--reuse-data", "--variant", "dflash-decay", "--variant", "wide:train.num_anchors=6"]
+    )
+    result = quality.run_quality(args, [])
+    assert list(result["variants"]) == ["dflash-decay", "wide"]
+    assert result["variants"]["wide"]["overrides"] == ["train.num_anchors=6"]
+    assert (work / "variants" / "wide" / "log.txt").read_text()
+    assert result["prompts"] is None and result["data"]["train"]["samples"] > 0
+    assert [p.stat().st_mtime_ns for p in journal] == stamp  # nothing regenerated
+
+
+def test_variant_flags_are_checked_before_any_work(chain_target, tmp_path):
+    from flashdraft.bench.quality import build_parser, run_quality
+
+    def run(*flags: str) -> None:
+        args = build_parser().parse_args(
+            ["--target", str(chain_target), "--work", str(tmp_path / "w"), *flags]
+        )
+        run_quality(args, [])
+
+    with pytest.raises(SystemExit):  # argparse: neither a preset nor NAME:key=value
+        build_parser().parse_args(["--target", "t", "--variant", "fastest"])
+    with pytest.raises(FlashdraftError, match="--variant: each name once"):
+        run("--variant", "dflash2", "--variant", "dflash2")
+    with pytest.raises(FlashdraftError, match=r"--variant odd: .*train\.no_such_knob"):
+        run("--variant", "odd:train.no_such_knob=1")
+    with pytest.raises(FlashdraftError, match=r"--variant bad: .*model\.arch"):
+        run("--variant", "bad:model.arch=dflash3")
+    with pytest.raises(FlashdraftError, match=r"--reuse-data: .* holds no prepared shards"):
+        run("--reuse-data")
+    assert not (tmp_path / "w").exists()
