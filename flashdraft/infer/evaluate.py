@@ -35,6 +35,7 @@ from flashdraft.infer.report import (
     tokens_per_second,
     write_json,
 )
+from flashdraft.model.attention import decoding_attention_kernels
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
@@ -484,7 +485,10 @@ def zlab_comparison(
         )
 
     runs = []
-    with _zlab_timer_off_cuda(zlab_model, target.device):
+    # the same SDPA kernels as our loop (no cuDNN): otherwise the H200 runs z-lab's target and drafter
+    # through cuDNN attention and ours through flash/efficient kernels, and the two texts part at the
+    # first bf16 tie for a reason that is neither loop's (docs/export-and-eval.md)
+    with _zlab_timer_off_cuda(zlab_model, target.device), decoding_attention_kernels():
         run(encoded[0])  # warm-up, as for ours
         for prompt in encoded:
             runs.append(run(prompt))
