@@ -13,6 +13,8 @@
 #   real-setup: join the halves, check the SHA-256, install gguf (.whl), flashdraft convert -> $REAL/smollm2
 #   quality: flashdraft bench quality on the real target (stdlib prompts, a GPU-minute budget, real and
 #          simulated τ per curve point, z-lab's τ at the end); MINUTES sets the budget (default 2.5)
+#   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
+#          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default hf) regenerates
 #   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
 #   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
@@ -40,6 +42,14 @@ case "${1:-tests}" in
       --curve-points 2 --max-new-tokens 128 --out "$out/quality_h200_smollm2.json" > "$out/quality.log" 2>&1
     grep -v -i warn "$out/quality.log" | tail -45
     cp $REAL/quality/quality.png "$out/" 2>/dev/null ;;
+  compare)
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
+      --device auto --engine ${ENGINE:-hf} --prompts 2000 --eval-prompts 16 --answer-tokens 512 \
+      --gpu-minutes ${MINUTES:-1.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
+      --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
+      --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare.log" 2>&1
+    grep -v -i warn "$out/compare.log" | tail -40
+    for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/compare_$(basename $v).log"; done ;;
   scaling)
     for run in "1 b1" "2 b2 --data-parallel ddp" "2 s11 --mode split --target-ranks 1"; do
       set -- $run

@@ -22,7 +22,6 @@ variant per GPU at a time when several are visible, and the result compares them
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import io
 import json
@@ -41,6 +40,7 @@ from rich.table import Table
 from flashdraft.bench.provenance import provenance
 from flashdraft.cli import block_size, non_negative_int, positive_int
 from flashdraft.config import Sampling, load_config
+from flashdraft.data.engines import ENGINES
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=positive_int, default=64, help="held-out prompts")
     p.add_argument(
         "--answer-tokens", type=positive_int, default=1024, help="longest regenerated training answer"
+    )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=ENGINES,
+        help="prepare's regeneration engine (flashdraft prepare --engine; docs/regeneration.md)",
     )
     p.add_argument("--gpu-minutes", type=positive_float, default=10.0, help="training-time budget")
     p.add_argument("--curve-points", type=positive_int, default=4, help="checkpoints evaluated (>= 2)")
@@ -195,15 +201,12 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
 def regenerate(inputs: Path, out: Path, args: argparse.Namespace, max_new_tokens: int) -> dict[str, Any]:
     """`flashdraft prepare --regenerate` on the target, greedy. The journal in `out` survives a rerun, so
     a sweep of training knobs regenerates nothing twice."""
-    fields = {f.name for f in dataclasses.fields(PrepareSettings)}
-    extra = {"device": args.device} if "device" in fields else {}  # prepare's device, when it has one
-    if not extra and args.device != "cpu":
-        print(f"prepare has no device setting in this version: {out.name} answers are generated on the CPU")
     settings = PrepareSettings(
         max_length=args.max_length,
         regenerate=True,
         sampling=Sampling(max_new_tokens=max_new_tokens),
-        **extra,
+        device=args.device,
+        engine=args.engine,
     )
     return prepare([str(inputs)], args.target, str(out), settings, command=f"{PRODUCER} (prepare {out.name})")
 
