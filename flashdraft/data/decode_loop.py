@@ -194,7 +194,8 @@ class StaticEngine:
         except Exception as exc:  # any capture failure: eager steps, recorded in describe()
             self.graphs.clear()
             self.graph_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _visible(self, column: int, total: int) -> int:
         return min(total, -(-(column + 1) // self.bucket) * self.bucket)

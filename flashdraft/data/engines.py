@@ -1,7 +1,9 @@
 """Local generation engines of `prepare --regenerate`: token ids in, new token ids out (docs/regeneration.md).
 
-Three engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
+Four engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
 after its first stop token:
+- `static`: flashdraft's own decode loop around the model's forward (flashdraft/data/decode_loop.py),
+  CUDA graphs on a GPU; the default on GPUs without vllm;
 - `hf`: `model.generate` on length-sorted, left-padded batches; on a GPU a static KV cache (which
   transformers compiles into CUDA graphs) and a batch size chosen from free memory;
 - `hf-cb`: transformers' continuous batching (`generate_batch`): finished rows are refilled at once;
@@ -26,7 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 
-ENGINES = ("auto", "hf", "hf-cb", "vllm")
+ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
 _MASK32 = 0xFFFFFFFF
 _PAD_MULTIPLE = 64  # prompt widths are rounded up to this, so compiled static-cache shapes repeat
 
@@ -69,14 +71,14 @@ def choose_engine(requested: str, device: torch.device, sampling: Sampling, mode
                 "depend on batch composition; use it with --temperature 0, or --engine hf to sample"
             )
         return "hf-cb", "asked for"
-    if requested == "hf":
-        return "hf", "asked for"
+    if requested in ("hf", "static"):
+        return requested, "asked for"
     if device.type == "cuda" and vllm_available():
         return "vllm", "auto: vllm is installed and the device is a GPU"
     if device.type == "cuda":
-        # transformers' continuous batching measured several times slower than static-cache generate
-        # on an H200 (docs/regeneration.md), so auto never picks it
-        return "hf", "auto: GPU without vllm: static-cache compiled generate"
+        # generate's per-step overhead (or, with a static cache, its per-shape compile) and transformers'
+        # continuous batching both measured far slower on an H200 (docs/regeneration.md)
+        return "static", "auto: GPU without vllm: flashdraft's decode loop with CUDA graphs"
     return "hf", "auto: CPU: batched generate"
 
 
