@@ -191,6 +191,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or 0,  # 0: sized by the engine
         device=args.device,
         engine=args.engine,
+        cut_answers=args.cut_answers,
         workers=args.workers,
         limit=args.limit,
         chunk=args.chunk or 0,  # 0: by where regeneration runs
@@ -502,10 +503,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine",
-        choices=["auto", "hf", "hf-cb", "vllm"],
+        choices=["auto", "static", "hf", "hf-cb", "vllm"],
         default="auto",
-        help="in-process engine: hf (static-cache generate), hf-cb (continuous batching), vllm; "
-        "auto picks the fastest available (docs/regeneration.md)",
+        help="in-process engine: static (flashdraft's decode loop, CUDA graphs on a GPU), hf (batched "
+        "generate), hf-cb (continuous batching), vllm; auto: vllm if installed, else static on GPUs, hf on "
+        "the CPU (docs/regeneration.md)",
+    )
+    p.add_argument(
+        "--cut-answers",
+        choices=["keep", "drop"],
+        default="keep",
+        help="answers cut at --max-new-tokens: keep (train on their tokens, never on an end of turn after "
+        "them) or drop the conversation (docs/regeneration.md)",
     )
     p.add_argument(
         "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--baseline-batch", type=int, default=500)
     parser.add_argument("--device", default="auto", help="prepare --device")
-    parser.add_argument("--engine", default="auto", help="prepare --engine")
+    parser.add_argument("--engine", default="auto", help="prepare --engine (auto, static, hf, hf-cb, vllm)")
     parser.add_argument("--batch-size", type=int, default=0, help="prepare --batch-size")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--make-inputs", metavar="DIR", help="write a 135M-shaped random target and prompts")

@@ -1,7 +1,9 @@
 """Local generation engines of `prepare --regenerate`: token ids in, new token ids out (docs/regeneration.md).
 
-Three engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
+Four engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
 after its first stop token:
+- `static`: flashdraft's own decode loop around the model's forward (flashdraft/data/decode_loop.py),
+  CUDA graphs on a GPU; the default on GPUs without vllm;
 - `hf`: `model.generate` on length-sorted, left-padded batches; on a GPU a static KV cache (which
   transformers compiles into CUDA graphs) and a batch size chosen from free memory;
 - `hf-cb`: transformers' continuous batching (`generate_batch`): finished rows are refilled at once;
@@ -26,7 +28,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 
-ENGINES = ("auto", "hf", "hf-cb", "vllm")
+ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
 _MASK32 = 0xFFFFFFFF
 _PAD_MULTIPLE = 64  # prompt widths are rounded up to this, so compiled static-cache shapes repeat
 
@@ -69,14 +71,14 @@ def choose_engine(requested: str, device: torch.device, sampling: Sampling, mode
                 "depend on batch composition; use it with --temperature 0, or --engine hf to sample"
             )
         return "hf-cb", "asked for"
-    if requested == "hf":
-        return "hf", "asked for"
+    if requested in ("hf", "static"):
+        return requested, "asked for"
     if device.type == "cuda" and vllm_available():
         return "vllm", "auto: vllm is installed and the device is a GPU"
     if device.type == "cuda":
-        # transformers' continuous batching measured several times slower than static-cache generate
-        # on an H200 (docs/regeneration.md), so auto never picks it
-        return "hf", "auto: GPU without vllm: static-cache compiled generate"
+        # generate's per-step overhead (or, with a static cache, its per-shape compile) and transformers'
+        # continuous batching both measured far slower on an H200 (docs/regeneration.md)
+        return "static", "auto: GPU without vllm: flashdraft's decode loop with CUDA graphs"
     return "hf", "auto: CPU: batched generate"
 
 
@@ -103,10 +105,15 @@ def cut_at_stop(ids: Iterable[int], stops: Iterable[int]) -> list[int]:
     return out
 
 
-def counter_uniform(seeds: torch.Tensor, step: int, vocab: int, device: torch.device) -> torch.Tensor:
+def counter_uniform(
+    seeds: torch.Tensor, step: int | torch.Tensor, vocab: int, device: torch.device
+) -> torch.Tensor:
     """[rows, vocab] uniforms in (0, 1) that depend only on (row seed, step, token id): a 32-bit integer
-    hash (every product stays below 2**63, so it is exact in int64 on any device)."""
+    hash (every product stays below 2**63, so it is exact in int64 on any device). `step` is one int for
+    every row, or a [rows] tensor (a device tensor keeps a CUDA graph valid from step to step)."""
     token = torch.arange(vocab, device=device, dtype=torch.int64)
+    if isinstance(step, torch.Tensor):
+        step = step.to(device=device, dtype=torch.int64).reshape(-1, 1)
     x = (seeds.to(device)[:, None] * 0x9E37 + step * 0x3C6EF + token[None, :] * 0x1B873593) & _MASK32
     for _ in range(3):
         x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
@@ -128,6 +135,17 @@ class SeededSampler(LogitsProcessor):
 
 
 def seeded_choice(scores: torch.Tensor, seeds: torch.Tensor, step: int, s: Sampling) -> torch.Tensor:
+    """Scores that keep only the `seeded_token` of each row (0; every other logit -inf)."""
+    choice = seeded_token(scores, seeds, step, s)[:, None]
+    out = torch.full_like(scores, -math.inf)
+    return out.scatter(-1, choice, 0.0)
+
+
+def seeded_token(
+    scores: torch.Tensor, seeds: torch.Tensor, step: int | torch.Tensor, s: Sampling
+) -> torch.Tensor:
+    """[rows] the token each row samples at `step` from its temperature/top-k/top-p filtered distribution:
+    the Gumbel-max trick with the row's own counter-based noise (no shared random stream)."""
     logits = scores.float() / s.temperature
     if s.top_k:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -139,14 +157,17 @@ def seeded_choice(scores: torch.Tensor, seeds: torch.Tensor, step: int, s: Sampl
         logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     uniform = counter_uniform(seeds, step, logits.shape[-1], logits.device)
     gumbel = -torch.log(-torch.log(uniform)).to(logits.dtype)
-    choice = (logits.log_softmax(-1) + gumbel).argmax(-1, keepdim=True)
-    out = torch.full_like(scores, -math.inf)
-    return out.scatter(-1, choice, 0.0)
+    return (logits.log_softmax(-1) + gumbel).argmax(-1)
+
+
+def text_config(config):
+    """The language model's config (a multimodal wrapper's text config, or the config itself)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def kv_bytes_per_token(config) -> int:
     """Key and value bytes one token occupies in the KV cache across all layers, from the model config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     dtype = getattr(text, "dtype", None) or torch.bfloat16
@@ -154,11 +175,14 @@ def kv_bytes_per_token(config) -> int:
     return 2 * text.num_hidden_layers * heads * head_dim * itemsize
 
 
-def batch_size_for_memory(model, longest: int, device: torch.device, cap: int = 2048) -> int:
-    """Rows whose KV cache (and ~30% headroom for activations and logits) fit in the free GPU memory."""
+def batch_size_for_memory(
+    model, longest: int, device: torch.device, cap: int = 2048, extra_per_row: int = 0
+) -> int:
+    """Rows whose KV cache (and ~30% headroom for activations and logits) fit in the free GPU memory;
+    `extra_per_row`: further bytes a row needs (e.g. sampling's per-step temporaries)."""
     free, _ = torch.cuda.mem_get_info(device)
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    per_row = kv_bytes_per_token(model.config) * longest + 8 * text.vocab_size  # KV + fp32 logits row
+    text = text_config(model.config)
+    per_row = kv_bytes_per_token(model.config) * longest + 8 * text.vocab_size + extra_per_row
     return max(1, min(cap, int(free * 0.7) // max(per_row, 1)))
 
 

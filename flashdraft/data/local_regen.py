@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from flashdraft.config import Sampling
+from flashdraft.data.decode_loop import StaticEngine, unsupported_reason
 from flashdraft.data.engines import (
     ContinuousBatchingEngine,
     HFGenerateEngine,
@@ -105,8 +106,13 @@ def load_for_generation(target: str | Path, device: str):
 class LocalEngine:
     """Chat-template prompts -> a token engine -> (text, finish reason, generated ids) per conversation."""
 
-    def __init__(self, engine, tokenizer, thinking: str | None, stops: list[int]):
+    def __init__(self, engine, tokenizer, thinking: str | None, stops: list[int], note: str | None = None):
         self.engine, self.tokenizer, self.thinking, self.stops = engine, tokenizer, thinking, stops
+        self.note = note  # why the engine is not the one chosen, if it is not
+
+    def describe(self) -> dict[str, Any]:
+        """The engine's own record (e.g. whether CUDA graphs were captured) for the manifest."""
+        return {**self.engine.describe(), **({"note": self.note} if self.note else {})}
 
     def complete(self, conversations: list[Messages], seeds: list[int]) -> list[tuple]:
         outputs = self.engine.generate_ids(
@@ -129,10 +135,11 @@ class LocalJob:
     target: str
     sampling: Sampling
     thinking: str | None
-    engine: str  # a chosen engine: hf, hf-cb or vllm
+    engine: str  # a chosen engine: static, hf, hf-cb or vllm
     batch_size: int = 0
     chunk: int = 256
     threads: int = 0  # CPU threads per worker (0: torch's default)
+    auto: bool = False  # chosen by --engine auto: `static` may fall back to `hf` for a target it cannot drive
 
 
 def target_stop_ids(target: str | Path, tokenizer, thinking: str | None) -> list[int]:
@@ -163,11 +170,17 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
             VllmEngine(job.target, job.sampling, stops, torch.device(device)), tokenizer, job.thinking, stops
         )
     model = load_for_generation(job.target, device)
+    note = None
+    if job.engine == "static" and job.auto and unsupported_reason(model):
+        note = f"auto chose static, but it cannot drive this target ({unsupported_reason(model)}): ran hf"
+        print(f"note: {note}", flush=True)
     if job.engine == "hf-cb":
         engine = ContinuousBatchingEngine(model, job.sampling, stops, pad)
+    elif job.engine == "static" and note is None:
+        engine = StaticEngine(model, job.sampling, stops, pad, job.batch_size)
     else:
         engine = HFGenerateEngine(model, job.sampling, stops, pad, job.batch_size)
-    return LocalEngine(engine, tokenizer, job.thinking, stops)
+    return LocalEngine(engine, tokenizer, job.thinking, stops, note)
 
 
 def _worker(rank: int, device: str, job: LocalJob, items: list, journal: Path, errors) -> None:
@@ -183,6 +196,7 @@ def _worker(rank: int, device: str, job: LocalJob, items: list, journal: Path, e
             print(f"worker {rank} ({device}): regenerated {n}/{total}", flush=True)
 
         regenerate(items, engine.complete, journal, job.chunk, progress, write_to=journal_part(journal, rank))
+        errors.put((rank, engine.describe()))  # not an error: the engine's record, for the manifest
     except BaseException as exc:
         message = (
             str(exc)
@@ -199,9 +213,10 @@ def run_workers(
     devices: list[str],
     journal: Path,
     worker: Callable[..., None] = _worker,
-) -> None:
+) -> list[dict[str, Any]]:
     """Spawn one `worker` per device over interleaved slices of the pending items; wait; fold the journal
-    parts into the journal whatever happens; a failed worker stops the others and raises with its rank."""
+    parts into the journal whatever happens; a failed worker stops the others and raises with its rank.
+    Returns the engine records the workers reported (one per worker, by rank)."""
     done = read_journal(journal)
     pending = sorted(
         [(key, m) for key, m in items if key not in done],
@@ -229,13 +244,12 @@ def run_workers(
                 if processes[rank].exitcode != 0:
                     failed = (rank, f"exit code {processes[rank].exitcode}")
                     break
-        if failed is not None:
-            reported = {}
-            while not errors.empty():
-                rank, message = errors.get()
-                reported[rank] = message
-            if reported:
-                failed = min(reported.items())
+        reported, details = {}, {}
+        while not errors.empty():
+            rank, message = errors.get()
+            (details if isinstance(message, dict) else reported)[rank] = message
+        if failed is not None and reported:
+            failed = min(reported.items())
     finally:
         for process in processes:
             if process.is_alive():
@@ -248,6 +262,7 @@ def run_workers(
             f"regeneration worker {rank} ({devices[rank]}) failed: {message}; the answers finished so far "
             f"are kept in {journal}: rerun the same command to resume"
         )
+    return [details[rank] for rank in sorted(details)]
 
 
 def regenerate_locally(
@@ -257,17 +272,19 @@ def regenerate_locally(
     journal: Path,
     tokenizer=None,
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Regenerated]:
-    """Every item's regenerated conversation: in this process on a single device, else one worker each."""
+) -> tuple[dict[str, Regenerated], list[dict[str, Any]]]:
+    """Every item's regenerated conversation, and each engine's own record (one per worker): in this
+    process on a single device, else one worker each."""
     if len(devices) == 1:
         if job.threads:
             torch.set_num_threads(job.threads)
         engine = build_engine(job, devices[0], tokenizer)
         merge_journal_parts(journal)  # parts left by an interrupted parallel run
-        return regenerate(items, engine.complete, journal, job.chunk, on_progress)
-    run_workers(items, job, devices, journal)
+        done = regenerate(items, engine.complete, journal, job.chunk, on_progress)
+        return done, [engine.describe()]
+    details = run_workers(items, job, devices, journal)
     done = read_journal(journal)
-    return {key: done[key] for key, _ in items}
+    return {key: done[key] for key, _ in items}, details
 
 
 def describe(job: LocalJob, devices: list[str], why: str) -> dict[str, Any]:

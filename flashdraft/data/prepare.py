@@ -19,8 +19,9 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
+from flashdraft.data.cut_answers import CUT_POLICIES, end_at_cut_answer, first_cut_turn
 from flashdraft.data.generated_ids import use_generated_ids
-from flashdraft.data.local_regen import prompt_ids
+from flashdraft.data.local_regen import end_of_turn_id, prompt_ids
 from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
 from flashdraft.data.render import (
     check_renders,
@@ -46,7 +47,8 @@ class PrepareSettings:
     concurrency: int = 16
     batch_size: int = 0  # 0: from free GPU memory, 64 on the CPU
     device: str = "auto"  # auto, cpu, cuda, cuda:N (docs/regeneration.md)
-    engine: str = "auto"  # auto, hf, hf-cb, vllm
+    engine: str = "auto"  # auto, static, hf, hf-cb, vllm
+    cut_answers: str = "keep"  # keep or drop answers cut at --max-new-tokens (docs/regeneration.md)
     workers: int = 1  # CPU worker processes
     max_retries: int = 5  # per server request, on 429, 5xx and broken connections
     max_failed_requests: int | None = None  # None: 1% of the server requests
@@ -92,10 +94,11 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
 
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
+    auto = settings.engine == "auto"
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
     # a GPU engine runs a chunk as a few large batches: small chunks would leave it mostly idle
     chunk = settings.chunk or (4096 if devices[0].startswith("cuda") else 256)
-    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, chunk, threads)
+    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, chunk, threads, auto)
     return {
         "job": job,
         "devices": devices,
@@ -117,6 +120,10 @@ def prepare(
     # Everything about the output is checked before the tokenizer loads and before any regeneration.
     protected = {"--target": target, **{f"input {p}": p for p in inputs}}
     check_output_dir(out_dir, "--out", force=settings.force, inputs=protected, ours=not_a_shard_dir)
+    if settings.cut_answers not in CUT_POLICIES:
+        raise FlashdraftError(
+            f"--cut-answers {settings.cut_answers!r}: expected one of {', '.join(CUT_POLICIES)}"
+        )
     sampling = settings.sampling or Sampling()
     local = None  # --device, --engine and --workers are refused before any record is read
     if settings.regenerate and not settings.server_url:
@@ -164,6 +171,10 @@ def prepare(
 
     sampling_record = server_requests = None
     generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
+    # per kept conversation: whether its last turn is a kept cut answer, and that answer's generated ids
+    cut_last: list[bool] = []
+    cut_ids: list[list[int] | None] = []
+    cut_counts: Counter[str] = Counter()
     id_counts: Counter[str] = Counter()
     if settings.regenerate:
         if local is None:
@@ -216,7 +227,10 @@ def prepare(
             else:
                 from flashdraft.data.local_regen import regenerate_locally
 
-                done = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer, progress)
+                done, details = regenerate_locally(
+                    items, local["job"], local["devices"], journal, tokenizer, progress
+                )
+                engine_record = {**engine_record, "engine_details": details}
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
         if local is None:
@@ -227,25 +241,40 @@ def prepare(
                 dropped["server request failed"] += 1
                 continue
             # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
-            # learn to end turns where the target does not. Such conversations are dropped and counted.
-            if "length" in done[key].finish_reasons:
+            # learn to end turns where the target does not. `keep` trains on its tokens and ends the sample
+            # there (flashdraft/data/cut_answers.py); `drop` leaves the conversation out. Both are counted.
+            messages, token_ids = done[key].messages, list(done[key].token_ids)
+            cut = first_cut_turn(done[key].finish_reasons)
+            if cut is not None and settings.cut_answers == "drop":
                 dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
+                cut_counts["dropped"] += 1
                 continue
-            kept.append((done[key].messages, where))
-            generated.append(done[key].token_ids)
+            if cut is not None:
+                turn_index = [i for i, m in enumerate(messages) if m["role"] == "assistant"][cut]
+                messages = messages[: turn_index + 1]
+                token_ids += [None] * (cut + 1 - len(token_ids))
+                cut_ids.append(token_ids[cut])
+                token_ids = [*token_ids[:cut], None]  # the cut turn is ended by end_at_cut_answer
+                cut_counts["kept"] += 1
+            else:
+                cut_ids.append(None)
+            cut_last.append(cut is not None)
+            kept.append((messages, where))
+            generated.append(token_ids)
         conversations = kept
         sampling_record = engine_record
         if local is None:
             server_requests = asdict(engine.counts)
 
     samples, supervised, total = [], 0, 0
+    end_of_turn = end_of_turn_id(tokenizer, settings.thinking) if any(cut_last) else None
     for number, (messages, where) in enumerate(conversations):
         try:
             rendered_turns = render_conversation(tokenizer, messages, settings.thinking, where)
         except FlashdraftError as exc:
             bad(exc)
             continue
-        if generated and generated[number]:
+        if generated and any(ids is not None for ids in generated[number]):
             rendered_turns = use_generated_ids(
                 rendered_turns,
                 [i for i, m in enumerate(messages) if m["role"] == "assistant"],
@@ -253,6 +282,19 @@ def prepare(
                 lambda i, messages=messages: prompt_ids(tokenizer, messages[:i], settings.thinking),
                 id_counts,
             )
+        if cut_last and cut_last[number]:
+            last = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-1]
+            ended = end_at_cut_answer(
+                rendered_turns[-1],
+                prompt_ids(tokenizer, messages[:last], settings.thinking),
+                cut_ids[number],
+                end_of_turn,
+                id_counts,
+            )
+            if ended is None:
+                dropped["cut answer whose end cannot be located in its rendering"] += 1
+                continue
+            rendered_turns = [*rendered_turns[:-1], ended]
         for rendered in rendered_turns:
             n_sup = sum(rendered.loss_mask)
             if len(rendered.input_ids) > settings.max_length:
@@ -281,6 +323,9 @@ def prepare(
         "samples": len(samples),
         "dropped": dict(dropped),
         "generated_ids": dict(id_counts),
+        "cut_answers": {"policy": settings.cut_answers, "kept": 0, "dropped": 0, **cut_counts}
+        if settings.regenerate
+        else None,
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
@@ -302,6 +347,11 @@ def prepare(
         table.add_row(f"dropped: {reason}", str(count))
     for outcome, count in sorted(id_counts.items()):
         table.add_row(outcome, str(count))
+    if settings.regenerate:
+        table.add_row(
+            f"answers cut at --max-new-tokens {sampling.max_new_tokens}",
+            f"{cut_counts['kept']} kept (no end-of-turn taught), {cut_counts['dropped']} dropped",
+        )
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     if sampling_record:
@@ -309,6 +359,14 @@ def prepare(
         table.add_row("regenerated", f"yes: {sampling_record['engine']} on {where}")
         if sampling_record.get("engine_choice"):
             table.add_row("engine choice", sampling_record["engine_choice"])
+        for rank, detail in enumerate(sampling_record.get("engine_details") or []):
+            said = detail.get("note") or detail.get("cuda_graphs_failed")
+            if "cuda_graphs" in detail or said:
+                graphs = "CUDA graphs" if detail.get("cuda_graphs") else "eager steps"
+                table.add_row(
+                    f"engine run (worker {rank})",
+                    f"{detail['engine']}, {graphs}" + (f"; {said}" if said else ""),
+                )
     else:
         table.add_row("regenerated", "no")
     if server_requests:

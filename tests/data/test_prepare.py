@@ -305,8 +305,8 @@ def test_in_process_regeneration_is_the_targets_own_greedy_answer(tmp_path, targ
     out = tmp_path / "s"
     args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
     # The random target does not end its turn within 6 tokens: the answer is journaled with its finish
-    # reason, and not taught as a finished answer (the only conversation is dropped, so nothing is kept).
-    assert main([*args, "--max-new-tokens", "6"]) == 2
+    # reason, and with --cut-answers drop not taught (the only conversation is dropped: nothing is kept).
+    assert main([*args, "--max-new-tokens", "6", "--cut-answers", "drop"]) == 2
     assert "1 answer cut at --max-new-tokens 6" in capsys.readouterr().err
     (regenerated,) = read_journal(out / "regenerated.jsonl").values()
     assert regenerated.finish_reasons == ["length"]
@@ -332,7 +332,7 @@ def test_an_answer_cut_at_max_new_tokens_is_dropped_and_counted(tmp_path, target
         data = _write(tmp_path / "in.jsonl", CONVS)
         out = tmp_path / "s"
         args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
-        assert main([*args, "--server-url", fake.url, "--max-new-tokens", "7"]) == 0
+        assert main([*args, "--server-url", fake.url, "--max-new-tokens", "7", "--cut-answers", "drop"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dropped"]["answer cut at --max-new-tokens 7"] == 1
     assert manifest["conversations"] == len(CONVS) - 1

@@ -38,3 +38,12 @@ def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, tar
     assert result["speedup"] == pytest.approx(
         result["baseline"]["seconds"] / result["prepare"]["seconds"], rel=0.05
     )
+    # the static engine through the same path: the same greedy answers, so the same new-token count;
+    # cut answers are kept (the random target ends none within 4 tokens)
+    static = tmp_path / "static.json"
+    argv += ["--device", "cpu", "--engine", "static", "--skip-baseline", "--out", str(static)]
+    assert main(["bench", "regen", *argv]) == 0
+    result = json.loads(static.read_text())
+    assert result["prepare"]["new_tokens"] == 8 * 4 and result["prepare"]["samples_kept"] == 8
+    (details,) = result["prepare"]["regeneration"]["engine_details"]
+    assert details["engine"] == "static" and details["cuda_graphs"] is False

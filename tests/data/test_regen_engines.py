@@ -111,5 +111,7 @@ def test_engine_choice_and_refusals(model):
     if not vllm_available():
         with pytest.raises(FlashdraftError, match=r"^--engine vllm: the vllm package is not installed"):
             choose_engine("vllm", cpu, greedy)
-    with pytest.raises(FlashdraftError, match="--engine 'fast': expected one of auto, hf, hf-cb, vllm"):
+    with pytest.raises(
+        FlashdraftError, match="--engine 'fast': expected one of auto, static, hf, hf-cb, vllm"
+    ):
         choose_engine("fast", cpu, greedy)

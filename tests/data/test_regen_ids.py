@@ -88,7 +88,7 @@ def test_prepare_trains_on_the_journaled_ids(tmp_path, target):
         "cpu",
     ]
     assert (
-        main([*args, "--max-new-tokens", "3"]) == 2
+        main([*args, "--max-new-tokens", "3", "--cut-answers", "drop"]) == 2
     )  # the random target never ends its turn: journaled, cut
     journal = out / "regenerated.jsonl"
     (record,) = [json.loads(line) for line in journal.read_text().splitlines()]

@@ -1,0 +1,301 @@
+"""The `static` regeneration engine: flashdraft's own batched decode loop around the target's forward.
+
+Plain `model.generate` spends most of a decode step at batch 500 on a small target in Python and kernel
+launches (mask building, cache concatenation, logits processors), not in GPU work. This loop does the
+minimum per step (docs/regeneration.md, "The static engine"):
+- prompts sorted by length, left-padded to one width, prefilled once (in row chunks);
+- per-layer K/V buffers allocated once (`KVBuffers`), written in place at one shared column per step;
+- per-row position ids and a 4-D attention mask buffer updated in place (nothing rebuilt per step);
+- greedy argmax, or `seeded_token` (per-row counter-based noise: the answer does not depend on its batch);
+- stop ids checked on the device; the host looks at the finished flags only every `check_every` steps;
+- on a GPU each decode step is captured once in a CUDA graph per attended-width bucket and replayed
+  (no torch.compile); a failed capture falls back to eager steps and `describe()` says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from flashdraft.config import Sampling
+from flashdraft.data.engines import batch_size_for_memory, cut_at_stop, seeded_token, text_config
+from flashdraft.errors import FlashdraftError
+
+_GPU_PAD_MULTIPLE = 64  # prompt widths and attended widths round up to this on a GPU (aligned SDPA masks)
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the loop cannot drive this model's forward (None: it can). It needs every layer to be a full
+    attention layer that stores its keys and values through `cache.update` and accepts explicit position
+    ids and a ready 4-D mask (Llama, Qwen3 and their kin on transformers 5.17 and 5.24)."""
+    text = text_config(model.config)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"its layers are {', '.join(sorted(kinds))}: the static engine handles full attention only"
+    if getattr(text, "layer_types", None) is None and getattr(text, "sliding_window", None):
+        return "it has a sliding attention window: the static engine handles full attention only"
+    accepted = inspect.signature(model.forward).parameters
+    if not {"position_ids", "logits_to_keep"} <= set(accepted) or _cache_argument(model) is None:
+        return "its forward takes no position ids, logits_to_keep or cache"
+    return None
+
+
+def _cache_argument(model) -> str | None:
+    """transformers 5.24 names the cache argument `cache` (`past_key_values` is deprecated); 5.17 uses
+    `past_key_values`."""
+    accepted = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in accepted), None)
+
+
+class KVBuffers:
+    """Every layer's keys and values, [rows, KV heads, width, head dim], written in place.
+
+    The attention layers of transformers 5.17 and 5.24 call `cache.update(key, value, layer_idx, ...)` and
+    attend to what it returns; nothing else of the cache is used when positions and a 4-D mask are given.
+    In a prefill (`prefill_rows` set) a row chunk's prompt keys go to columns [0, width) and the chunk
+    attends to them alone; in a decode step the one new key goes to `column` (a device tensor, so a CUDA
+    graph replays it at the current column) and attention sees the first `visible` columns."""
+
+    def __init__(self, model, rows: int, width: int, dtype: torch.dtype, device: torch.device):
+        text = text_config(model.config)
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = (rows, heads, width, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.visible = width
+        self.prefill_rows: slice | None = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.prefill_rows is not None:
+            keys[self.prefill_rows, :, : key.shape[2]] = key
+            values[self.prefill_rows, :, : value.shape[2]] = value
+            return key, value
+        keys.index_copy_(2, self.column, key)
+        values.index_copy_(2, self.column, value)
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+
+class StaticEngine:
+    """`generate_ids(prompts, seeds)` with the lean decode loop; CUDA graphs on a GPU (see the module doc)."""
+
+    name = "static"
+
+    def __init__(
+        self,
+        model,
+        sampling: Sampling,
+        stops: list[int],
+        pad_id: int,
+        batch_size: int = 0,
+        *,
+        cuda_graphs: bool | None = None,
+        bucket: int = 0,
+        check_every: int = 16,
+        prefill_tokens: int = 0,
+    ):
+        reason = unsupported_reason(model)
+        if reason:
+            raise FlashdraftError(f"--engine static: cannot drive this target: {reason}; use --engine hf")
+        self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        on_gpu = self.device.type == "cuda"
+        self.batch_size = batch_size  # 0: from free memory on a GPU, 64 on the CPU
+        self.cuda_graphs = on_gpu if cuda_graphs is None else cuda_graphs
+        self.pad_multiple = _GPU_PAD_MULTIPLE if on_gpu else 1
+        self.bucket = bucket or (_GPU_PAD_MULTIPLE if on_gpu else 16)  # attended width rounds up to this
+        self.check_every = check_every
+        self.prefill_tokens = prefill_tokens or (65536 if on_gpu else 4096)  # rows x width per prefill
+        self.cache_argument = _cache_argument(model)
+        self.graph_failure: str | None = None  # why capture failed (then every step ran eagerly)
+        self.graphs_captured = 0
+        self.last_rows = 0
+
+    # -- buffers of one generate_ids call -------------------------------------------------------------
+    def _allocate(self, rows: int, total: int) -> None:
+        device, max_new = self.device, self.sampling.max_new_tokens
+        self.cache = KVBuffers(self.model, rows, total, self.dtype, device)
+        self.mask = torch.zeros(rows, 1, 1, total, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.generated = torch.zeros(rows, dtype=torch.long, device=device)  # new tokens so far per row
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.out = torch.zeros(rows, max_new + 1, dtype=torch.long, device=device)  # last column: discard
+        self.stop_ids = torch.tensor(self.stops or [-1], dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _forward(self, **kwargs) -> torch.Tensor:
+        kwargs[self.cache_argument] = self.cache
+        return self.model(use_cache=True, **kwargs).logits[:, -1]
+
+    def _advance(self, logits: torch.Tensor, rows: slice) -> None:
+        """Choose each row's next token, record it and update the row's counters and finished flag."""
+        generated, done = self.generated[rows], self.done[rows]
+        if self.sampling.temperature > 0:
+            choice = seeded_token(logits, self.seeds[rows], generated, self.sampling)
+        else:
+            choice = logits.argmax(-1)
+        where = generated.masked_fill(done, self.sampling.max_new_tokens)  # a finished row writes nowhere
+        self.out[rows].scatter_(1, where[:, None], choice[:, None])
+        generated += (~done).long()
+        stopped = (choice[:, None] == self.stop_ids[None, :]).any(-1)
+        done |= stopped | (generated >= self.sampling.max_new_tokens)
+        self.tokens[rows] = choice[:, None]
+
+    def _step(self, visible: int) -> None:
+        """One decode step for every row: the same kernels every time (this is what a CUDA graph holds)."""
+        self.cache.visible = visible
+        self.mask.index_fill_(3, self.cache.column, True)
+        logits = self._forward(
+            input_ids=self.tokens, position_ids=self.positions, attention_mask=self.mask[..., :visible]
+        )
+        self._advance(logits, slice(None))
+        self.cache.column += 1
+        self.positions += 1
+
+    # -- CUDA graphs ----------------------------------------------------------------------------------
+    def _graph(self, visible: int) -> torch.cuda.CUDAGraph | None:
+        """The captured step for this attended width, or None: run the step eagerly."""
+        if not self.cuda_graphs or self.graph_failure:
+            return None
+        return self.graphs.get(visible)
+
+    def _capture_all(self, total: int) -> None:
+        """Capture one step per attended-width bucket. Capturing runs nothing; the warm-up steps before
+        it do run (on a side stream), which is harmless here: the prefill that follows resets every
+        buffer they touched."""
+        if not self.cuda_graphs or self.graph_failure:
+            return
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside capture
+                for _ in range(2):
+                    self._step(self._visible(0, total))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.pool = torch.cuda.graph_pool_handle()
+            for visible in sorted({self._visible(c, total) for c in range(total)}):
+                graph = torch.cuda.CUDAGraph()
+                # every graph's own tensors are dead after its replay (results land in the buffers made
+                # in _allocate), so one memory pool serves all of them
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._step(visible)
+                self.graphs[visible] = graph
+            self.graphs_captured = len(self.graphs)
+        except Exception as exc:  # any capture failure: eager steps, recorded in describe()
+            self.graphs.clear()
+            self.graph_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+    def _visible(self, column: int, total: int) -> int:
+        return min(total, -(-(column + 1) // self.bucket) * self.bucket)
+
+    # -- one batch --------------------------------------------------------------------------------------
+    def _prefill(self, prompts: list[list[int]], seeds: list[int], width: int) -> None:
+        rows, device = len(prompts), self.device
+        self.mask.zero_()
+        self.generated.zero_()
+        self.done.zero_()
+        self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
+        self.cache.column.fill_(width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        diagonal = torch.eye(width, dtype=torch.bool, device=device)
+        chunk = max(1, self.prefill_tokens // width)
+        for start in range(0, rows, chunk):
+            part = prompts[start : start + chunk]
+            ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
+            real = torch.zeros(len(part), width, dtype=torch.bool)
+            for row, prompt in enumerate(part):  # left padding: every prompt ends at column width - 1
+                ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                real[row, width - len(prompt) :] = True
+            ids, real = ids.to(device), real.to(device)
+            lengths = real.sum(-1, keepdim=True)
+            positions = (torch.arange(width, device=device)[None, :] - (width - lengths)).clamp(min=0)
+            # a padding query sees only itself: a query that sees nothing would give NaN states, which
+            # masked-out keys and values would still carry into real rows (0 x NaN)
+            mask = (causal[None] & real[:, None, :]) | diagonal[None]
+            rows_here = slice(start, start + len(part))
+            self.cache.prefill_rows = rows_here
+            try:
+                logits = self._forward(
+                    input_ids=ids, position_ids=positions, attention_mask=mask[:, None], logits_to_keep=1
+                )
+            finally:
+                self.cache.prefill_rows = None
+            self.mask[rows_here, 0, 0, :width] = real
+            self.positions[rows_here] = lengths
+            self._advance(logits, rows_here)
+
+    def _decode(self, width: int, total: int) -> None:
+        for n in range(1, self.sampling.max_new_tokens):
+            column = width + n - 1
+            visible = self._visible(column, total)
+            graph = self._graph(visible)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(visible)
+            if n % self.check_every == 0 and bool(self.done.all()):  # the only host sync of the loop
+                break
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        if not order:
+            return out
+        if any(not prompts[i] for i in order):
+            raise FlashdraftError("--engine static: an empty prompt (the chat template rendered nothing)")
+        max_new = self.sampling.max_new_tokens
+        width = -(-len(prompts[order[0]]) // self.pad_multiple) * self.pad_multiple
+        total = width + max_new
+        cap = self._rows(total)
+        batches = -(-len(order) // cap)
+        rows = -(-len(order) // batches)  # even batches: 1000 + 1000, not 1024 + 976
+        self.last_rows = rows
+        self._allocate(rows, total)
+        self._capture_all(total)
+        for start in range(0, len(order), rows):
+            batch = order[start : start + rows]
+            # rows beyond the batch repeat its last prompt (their answers are dropped): the shapes stay
+            filled = batch + [batch[-1]] * (rows - len(batch))
+            batch_width = -(-len(prompts[batch[0]]) // self.pad_multiple) * self.pad_multiple
+            self._prefill([prompts[i] for i in filled], [seeds[i] for i in filled], batch_width)
+            self._decode(batch_width, total)
+            counts = self.generated.tolist()
+            for row, ids in enumerate(self.out[: len(batch)].tolist()):
+                out[batch[row]] = cut_at_stop(ids[: counts[row]], self.stops)
+        return out
+
+    def _rows(self, total: int) -> int:
+        if self.batch_size:
+            return self.batch_size
+        if self.device.type == "cuda":
+            sampled = self.sampling.temperature > 0
+            # sampling holds a few [rows, vocab] float64/int64 temporaries per step
+            extra = 40 * text_config(self.model.config).vocab_size if sampled else 0
+            return batch_size_for_memory(self.model, total, self.device, extra_per_row=extra)
+        return 64
+
+    def describe(self) -> dict:
+        graphs = self.cuda_graphs and not self.graph_failure
+        record = {
+            "engine": self.name,
+            "batch_size": self.batch_size or "auto",
+            "rows": self.last_rows,
+            "cuda_graphs": graphs,
+            "kv_bucket": self.bucket,
+        }
+        if self.cuda_graphs and self.graph_failure:
+            record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"
+        return record

@@ -1,0 +1,96 @@
+"""`prepare --cut-answers keep|drop`: an answer cut at --max-new-tokens is trained on without an end-of-turn
+(it ends its sample), or left out; both are counted; the journal key holds --max-new-tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flashdraft.cli import main
+from flashdraft.config import Sampling
+from flashdraft.data.local_regen import LocalJob, key_settings, prompt_ids
+from flashdraft.data.regenerate import journal_key, read_journal
+from flashdraft.data.shards import open_shards
+
+from .helpers import fake_chat_server, make_tokenizer, supervised_spans
+
+TOK = make_tokenizer("qwen")
+END = TOK.convert_tokens_to_ids("<|im_end|>")
+CONVS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi there"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "2+2"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "why"},
+            {"role": "assistant", "content": "because"},
+        ]
+    },
+]
+
+
+def _write(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _samples(out: Path) -> list[tuple[list[int], list[int]]]:
+    _, shards = open_shards(out)
+    return [tuple(map(list, shards.sample(i, 10**6))) for i in range(len(shards))]
+
+
+def test_a_kept_cut_local_answer_ends_its_sample_on_the_generated_ids(tmp_path, target):
+    data = _write(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "why"}]}])
+    out = tmp_path / "s"
+    args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+    # the random target never ends its turn within 3 tokens
+    assert main([*args, "--device", "cpu", "--max-new-tokens", "3", "--engine", "static"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cut_answers"] == {"policy": "keep", "kept": 1, "dropped": 0}
+    assert manifest["regeneration"]["engine_details"][0]["engine"] == "static"
+    (record,) = read_journal(out / "regenerated.jsonl").values()
+    assert record.finish_reasons == ["length"]
+    generated = record.token_ids[0]
+    prompt = prompt_ids(TOK, record.messages[:1], None)
+    ((ids, mask),) = _samples(out)
+    assert ids == prompt + generated  # nothing after the answer: no end-of-turn, no newline
+    assert mask == [0] * len(prompt) + [1] * len(generated)
+
+
+def test_a_kept_cut_server_answer_loses_the_templates_end_of_turn_and_later_turns(tmp_path, target):
+    def reply(body):
+        return ("hi there", "length") if "2+2" in str(body) else "ok"
+
+    with fake_chat_server(reply) as fake:
+        data = _write(tmp_path / "in.jsonl", CONVS)
+        out = tmp_path / "s"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        assert main([*args, "--server-url", fake.url, "--max-new-tokens", "7"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cut_answers"] == {"policy": "keep", "kept": 1, "dropped": 0}
+    finished, cut = _samples(out)
+    assert supervised_spans(TOK, *finished) == ["ok <|im_end|>"]  # a finished answer keeps its end
+    assert [span.split() for span in supervised_spans(TOK, *cut)] == [["hi", "there"]]
+    assert cut[0][-1] != END and END not in [t for t, m in zip(*cut, strict=True) if m]
+    assert "why" not in TOK.decode(cut[0])  # the turns after the cut one are left out
+
+
+def test_cut_answers_dropped_are_counted(tmp_path, target):
+    with fake_chat_server(lambda body: ("cut sho", "length") if "2+2" in str(body) else "ok") as fake:
+        data = _write(tmp_path / "in.jsonl", CONVS)
+        out = tmp_path / "s"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        argv = [*args, "--server-url", fake.url, "--max-new-tokens", "7", "--cut-answers", "drop"]
+        assert main(argv) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cut_answers"] == {"policy": "drop", "kept": 0, "dropped": 1}
+    assert manifest["dropped"]["answer cut at --max-new-tokens 7"] == 1
+    assert manifest["samples"] == 1
+
+
+def test_the_journal_key_holds_max_new_tokens(target):
+    def key(max_new: int) -> str:
+        job = LocalJob(str(target), Sampling(max_new_tokens=max_new), None, "static")
+        return journal_key([{"role": "user", "content": "hi"}], 0, {"engine": key_settings(job, ["cpu"])})
+
+    assert key(512) != key(1024)  # a rerun with a larger limit never reuses an answer cut at the smaller

@@ -1,0 +1,126 @@
+"""The `static` engine (flashdraft/data/decode_loop.py): greedy output equal to plain `model.generate`,
+sampling equal to the `hf` engine's and independent of the batch, early stop, CUDA-graph fallback said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft.bench.tiny import build_model, tiny_config
+from flashdraft.config import Sampling
+from flashdraft.data.decode_loop import StaticEngine, unsupported_reason
+from flashdraft.data.engines import HFGenerateEngine, choose_engine, cut_at_stop, vllm_available
+from flashdraft.errors import FlashdraftError
+
+NEW = 10
+LENGTHS = (5, 9, 3, 12, 7, 20, 1, 4, 9)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request):
+    torch.set_num_threads(1)
+    return build_model(tiny_config(request.param, vocab_size=64, hidden_size=32, num_layers=4)).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 64, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _plain(model, prompt, stops, max_new=NEW):
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=stops,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def stops(model, prompts):
+    """A token the model really emits mid-answer, so stopping (and what follows it) is exercised."""
+    emitted = [token for p in prompts for token in _plain(model, p, [2])[2:6]]
+    return [2, max(set(emitted), key=emitted.count)]
+
+
+@pytest.mark.parametrize("batch_size", [4, 0])  # several batches (padded last one), or all rows at once
+def test_greedy_output_equals_plain_generate_token_for_token(model, prompts, stops, batch_size):
+    expected = [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]
+    assert any(len(e) < NEW for e in expected) and any(len(e) == NEW for e in expected)
+    # bucket 4: the attended width grows several times within an answer
+    engine = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, batch_size, bucket=4, check_every=3)
+    assert engine.generate_ids(prompts, list(range(len(prompts)))) == expected
+
+
+def test_prefill_in_row_chunks_gives_the_same_answers(model, prompts, stops):
+    whole = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0).generate_ids(prompts, [0] * 9)
+    chunked = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, prefill_tokens=25)
+    assert chunked.generate_ids(prompts, [0] * 9) == whole
+
+
+def test_sampled_answers_equal_the_hf_engines_whatever_the_batch(model, prompts, stops):
+    s = Sampling(max_new_tokens=NEW, temperature=1.0, top_k=20, top_p=0.9)
+    seeds = [101 + i for i in range(len(prompts))]
+    together = StaticEngine(model, s, stops, 0, batch_size=3).generate_ids(prompts, seeds)
+    alone = [
+        StaticEngine(model, s, stops, 0).generate_ids([p], [seed])[0]
+        for p, seed in zip(prompts, seeds, strict=True)
+    ]
+    reversed_batch = StaticEngine(model, s, stops, 0).generate_ids(prompts[::-1], seeds[::-1])[::-1]
+    assert together == alone == reversed_batch
+    assert together == HFGenerateEngine(model, s, stops, 0, 4).generate_ids(prompts, seeds)
+    assert together != [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]  # it samples
+
+
+def test_the_loop_stops_once_every_answer_has_ended(model, prompts):
+    """Finished rows are checked every `check_every` steps, and the loop ends then, not at max_new."""
+    first = [_plain(model, p, [2], 1)[0] for p in prompts]  # every answer ends at its first token
+    calls = []
+    hook = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        engine = StaticEngine(model, Sampling(max_new_tokens=200), first, 0, check_every=4)
+        assert engine.generate_ids(prompts, [0] * 9) == [[t] for t in first]
+    finally:
+        hook.remove()
+    assert len(calls) == 1 + 4  # the prefill, then steps until the first check
+
+
+def test_a_failed_cuda_graph_capture_falls_back_to_eager_and_says_so(model, prompts, stops):
+    expected = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0).generate_ids(prompts, [0] * 9)
+    engine = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, cuda_graphs=True)  # on the CPU
+    assert engine.generate_ids(prompts, [0] * 9) == expected
+    record = engine.describe()
+    assert record["engine"] == "static" and record["cuda_graphs"] is False
+    assert record["cuda_graphs_failed"].startswith("fell back to eager steps: ")
+
+
+def test_hybrid_targets_are_refused_and_auto_picks_static_on_a_gpu():
+    hybrid = build_model(tiny_config("qwen3_5", vocab_size=64, hidden_size=32, num_layers=3))
+    assert "linear_attention" in unsupported_reason(hybrid)
+    with pytest.raises(FlashdraftError, match=r"^--engine static: cannot drive this target: .*--engine hf$"):
+        StaticEngine(hybrid, Sampling(), [2], 0)
+    gpu, greedy = torch.device("cuda"), Sampling()
+    if not vllm_available():
+        assert choose_engine("auto", gpu, greedy)[0] == "static"
+    assert choose_engine("auto", torch.device("cpu"), greedy)[0] == "hf"
+    assert choose_engine("static", torch.device("cpu"), Sampling(temperature=0.7)) == ("static", "asked for")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_steps(prompts):
+    """On the GPU machine: captured steps give the eager steps' answers (fp32, greedy and sampled)."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config("llama", vocab_size=64, hidden_size=32, num_layers=4)).cuda().eval()
+    for s in (Sampling(max_new_tokens=40), Sampling(max_new_tokens=40, temperature=1.0, top_p=0.9)):
+        graphs = StaticEngine(model, s, [2], 0, cuda_graphs=True)
+        eager = StaticEngine(model, s, [2], 0, cuda_graphs=False)
+        seeds = list(range(len(prompts)))
+        assert graphs.generate_ids(prompts, seeds) == eager.generate_ids(prompts, seeds)
+        assert graphs.describe()["cuda_graphs"] is True, graphs.describe()
+    # and greedy equals plain generate (padding queries see themselves: no NaN reaches the real rows)
+    greedy = StaticEngine(model, Sampling(max_new_tokens=40), [2], 0).generate_ids(prompts, seeds)
+    assert greedy == [cut_at_stop(_plain(model.cpu(), p, [2], 40), [2]) for p in prompts]
