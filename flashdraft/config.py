@@ -183,6 +183,11 @@ class DistributedConfig:
         "the backward), 'fsdp' (FSDP2: fp32 parameter and optimizer shards, bf16 compute, fp32 reduction) or "
         "'auto' (ddp). One process needs neither.",
     )
+    bucket_mb: float = doc(
+        25.0,
+        "With ddp: gradient bucket size in MB (torch's default 25). Each bucket is one all-reduce started as "
+        "soon as its gradients are ready, and under torch.compile one cut of the compiled layer graph.",
+    )
     timeout_minutes: float = doc(
         30.0,
         "A collective that waits longer than this (a dead or hung rank) fails the whole job, naming the rank.",
@@ -518,6 +523,10 @@ def validate(config: Config) -> None:
         (
             config.distributed.timeout_minutes > 0,
             f"distributed.timeout_minutes must be positive, got {config.distributed.timeout_minutes}",
+        ),
+        (
+            0 < config.distributed.bucket_mb < math.inf,
+            f"distributed.bucket_mb must be a positive number of MB, got {config.distributed.bucket_mb}",
         ),
         (
             config.distributed.mode in ("colocated", "split"),

@@ -85,6 +85,7 @@ def test_a_non_finite_number_is_refused_naming_the_field(override, field):
         ("model.target_layer_ids=[]", "model.target_layer_ids must be a non-empty list"),
         ("model.mask_token_id=-1", "model.mask_token_id must be >= 0"),
         ("data.max_length=16", "data.max_length must be at least 2 * model.block_size (32)"),
+        ("distributed.bucket_mb=0", "distributed.bucket_mb must be a positive number of MB"),
     ],
 )
 def test_an_out_of_range_value_is_refused_naming_the_field(override, needle):

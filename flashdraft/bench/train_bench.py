@@ -332,6 +332,7 @@ def torchrun_bench(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=["colocated", "split"], default="colocated")
     parser.add_argument("--target-ranks", type=int, default=1, help="split: target GPUs (per node)")
     parser.add_argument("--data-parallel", choices=["auto", "ddp", "fsdp"], default="auto")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="ddp gradient bucket size (MB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="a")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -378,6 +379,7 @@ def torchrun_bench(argv: list[str]) -> int:
         "distributed.mode": args.mode,
         "distributed.target_ranks": args.target_ranks,
         "distributed.data_parallel": args.data_parallel,
+        "distributed.bucket_mb": args.bucket_mb,
     }
     if run.exists():
         import shutil
@@ -407,6 +409,7 @@ def torchrun_bench(argv: list[str]) -> int:
         "gpus": args.nproc_per_node,
         "target_gpus": args.target_ranks if args.mode == "split" else None,
         "data_parallel": args.data_parallel,
+        "bucket_mb": args.bucket_mb,
         "shape": {"name": args.shape, **shape},
         "target": args.target,
         "step_seconds_median": round(step_s, 4),

@@ -120,6 +120,7 @@ def apply_data_parallel(
     *,
     bf16_compute: bool,
     group: dist.ProcessGroup | None = None,
+    bucket_mb: float = 25.0,
 ) -> DataParallel:
     if kind == "none":
         return DataParallel("none", drafter)
@@ -135,6 +136,7 @@ def apply_data_parallel(
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=group,
             gradient_as_bucket_view=True,
+            bucket_cap_mb=bucket_mb,
             **no_buffer_sync,
         )
         ddp.register_comm_hook(group, _sum_gradients)
@@ -250,6 +252,7 @@ def parallelize(
     master_weights: bool = True,
     data_parallel: str = "none",
     group: dist.ProcessGroup | None = None,
+    bucket_mb: float = 25.0,
 ) -> Placement:
     """`data_parallel` is resolved already ('none', 'ddp' or 'fsdp': `resolve_data_parallel`)."""
     on_gpu = device.type == "cuda"
@@ -289,7 +292,9 @@ def parallelize(
         from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
 
         create_block_mask = torch.compile(_create_block_mask)
-    parallel = apply_data_parallel(drafter, data_parallel, device, bf16_compute=bf16_compute, group=group)
+    parallel = apply_data_parallel(
+        drafter, data_parallel, device, bf16_compute=bf16_compute, group=group, bucket_mb=bucket_mb
+    )
     return Placement(
         device,
         attention,

@@ -341,6 +341,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         master_weights=t.master_weights,
         data_parallel=resolve_data_parallel(config.distributed.data_parallel, topo.world_size),
         group=topo.group,
+        bucket_mb=config.distributed.bucket_mb,
     )
     parallel = placement.data_parallel
     loss_fn = WeightedHeadLoss(
