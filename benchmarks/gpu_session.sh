@@ -14,7 +14,8 @@
 #   quality: flashdraft bench quality on the real target (stdlib prompts, a GPU-minute budget, real and
 #          simulated τ per curve point, z-lab's τ at the end); MINUTES sets the budget (default 2.5)
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
-#          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default hf) regenerates
+#          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default static, hf
+#          when static fails before the data exists) regenerates
 #   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
 #   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
@@ -43,13 +44,18 @@ case "${1:-tests}" in
     grep -v -i warn "$out/quality.log" | tail -45
     cp $REAL/quality/quality.png "$out/" 2>/dev/null ;;
   compare)
-    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
-      --device auto --engine ${ENGINE:-hf} --prompts 2000 --eval-prompts 16 --answer-tokens 512 \
-      --gpu-minutes ${MINUTES:-1.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
-      --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
-      --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare.log" 2>&1
-    grep -v -i warn "$out/compare.log" | tail -40
-    for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/compare_$(basename $v).log"; done ;;
+    run_compare() {
+      PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
+        --device auto --engine $1 --prompts 2000 --eval-prompts 16 --answer-tokens 512 \
+        --gpu-minutes ${MINUTES:-1.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
+        --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
+        --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare_$1.log" 2>&1
+    }
+    run_compare ${ENGINE:-static}
+    # an engine that failed before the data existed: once more with the compiled-generate engine
+    [ -f $REAL/quality/data/eval/manifest.json ] || { tail -5 "$out/compare_${ENGINE:-static}.log"; run_compare hf; }
+    grep -v -i warn "$out"/compare_*.log | grep -v "Loading weights" | tail -45
+    for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/variant_$(basename $v).log"; done ;;
   scaling)
     for run in "1 b1" "2 b2 --data-parallel ddp" "2 s11 --mode split --target-ranks 1"; do
       set -- $run
@@ -61,7 +67,8 @@ case "${1:-tests}" in
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
       --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
   newtests)
-    python3 -m pytest -m gpu tests/model/test_dflash2_gpu.py tests/train/test_optim.py -q -p no:cacheprovider \
+    python3 -m pytest -m gpu tests/data/test_regen_static.py tests/train/test_optim.py tests/model/test_dflash2_gpu.py \
+      -q -p no:cacheprovider ${NEWTESTS_FLAGS:-} \
       2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
     baseline=""  # the plain-generate baseline is timed once, with the first engine
