@@ -39,6 +39,7 @@ EXEMPT = frozenset(
         "distributed.mode",  # with target_ranks: how many ranks train, checked as the global micro-batch
         "distributed.target_ranks",
         "distributed.max_in_flight",
+        "distributed.target_parallel",  # how the frozen target is placed; the features are the same
     }
 )
 # Keys that may grow: the run goes on longer. 0 means "no step limit" for max_steps.
