@@ -155,16 +155,20 @@ class GroupTarget(TargetModel):
         shapes = [torch.empty_like(shape) for _ in range(self.group_size)]
         dist.all_gather(shapes, shape, group=self.group)
         table = torch.stack(shapes).tolist()
-        if len({(has_mask, has_pos) for _, _, has_mask, has_pos in table}) != 1:
-            raise FlashdraftError(
-                f"{self.name}: the ranks of a target group passed different inputs (attention mask or "
-                "position ids on some only); this is a flashdraft bug"
-            )
         rows, length = max(r[0] for r in table), max(r[1] for r in table)
         ids = self._gather(input_ids, rows, length, 0)
-        mask = None if attention_mask is None else self._gather(attention_mask, rows, length, 0)
-        # Padding positions restart at 0: a packed row's padding is a sample of its own (docs/packing.md).
-        positions = None if position_ids is None else self._gather(position_ids, rows, length, 0)
+        mask = positions = None
+        if any(r[2] for r in table):  # a member without a mask attends to all its positions
+            own = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+            mask = self._gather(own, rows, length, 0)
+        if any(r[3] for r in table):  # a member without position ids counts from 0 (transformers' default)
+            own = (
+                torch.arange(s, device=input_ids.device).expand(b, s)
+                if position_ids is None
+                else position_ids
+            )
+            # Padding positions restart at 0: a packed row's padding is a sample of its own (docs/packing.md).
+            positions = self._gather(own, rows, length, 0)
         everything = super().features(ids, attention_mask=mask, position_ids=positions)
         start = self.group_rank * rows
         return everything[start : start + b, :s].contiguous()

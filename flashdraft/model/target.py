@@ -112,7 +112,9 @@ class TargetModel:
             dtype = default_dtype(device)
         try:
             # Straight onto the device (device_map): a GPU target never passes whole through host memory.
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": torch.device(device)})
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, device_map={"": torch.device(device)}
+            )
         except (ValueError, OSError) as exc:
             raise FlashdraftError(f"target {path}: cannot load as a causal LM: {exc}") from None
         return cls(model, layer_ids, name=f"target {path}")
