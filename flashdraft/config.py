@@ -207,6 +207,13 @@ class DistributedConfig:
         "With mode=split: optimizer steps of features the target side may run ahead of the drafters "
         "(2: double buffering); a slower side makes the other wait.",
     )
+    target_parallel: int = doc(
+        1,
+        "Consecutive ranks that hold ONE target sharded by tensor parallelism (its attention heads and MLP "
+        "split across them; docs/distributed.md); each such group runs the target once on its members' "
+        "batches together. 1: every rank holds the whole target. Must divide the number of processes; "
+        "colocated mode only.",
+    )
 
 
 @dataclass
@@ -535,6 +542,16 @@ def validate(config: Config) -> None:
         (
             config.distributed.max_in_flight >= 1,
             f"distributed.max_in_flight must be at least 1, got {config.distributed.max_in_flight}",
+        ),
+        (
+            config.distributed.target_parallel >= 1,
+            f"distributed.target_parallel must be at least 1, got {config.distributed.target_parallel}",
+        ),
+        (
+            config.distributed.target_parallel == 1 or config.distributed.mode == "colocated",
+            f"distributed.target_parallel={config.distributed.target_parallel} with distributed.mode="
+            f"{config.distributed.mode}: a tensor-parallel target runs in the colocated mode only (yet); set "
+            "distributed.target_parallel=1 or distributed.mode=colocated",
         ),
     ]
     for ok, message in checks:

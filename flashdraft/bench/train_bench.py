@@ -25,7 +25,8 @@ from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
-from flashdraft.durable import atomic_write_json
+from flashdraft.durable import atomic_directory, atomic_write_json
+from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.spec import build_target_layer_ids
@@ -315,6 +316,18 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- several GPUs (torchrun)
 
 
+def save_random_target(out, kind: str, num_layers: int | None = None) -> None:
+    """Write a random bf16 target of `kind`'s shape to `out` (whole or not at all). Initialised on the GPU
+    when there is one: the 27B's 54 GB take many minutes to initialise on the CPU, seconds on cuda:0."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_random_target(kind, device=device, dtype=torch.bfloat16, num_layers=num_layers)
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def torchrun_bench(argv: list[str]) -> int:
     """`flashdraft bench train --nproc-per-node N [--mode colocated|split] ...`: the real trainer under torchrun
     (docs/distributed.md) on a random target of a real model's shape saved once to --workdir and random
@@ -333,6 +346,12 @@ def torchrun_bench(argv: list[str]) -> int:
     parser.add_argument("--target-ranks", type=int, default=1, help="split: target GPUs (per node)")
     parser.add_argument("--data-parallel", choices=["auto", "ddp", "fsdp"], default="auto")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="ddp gradient bucket size (MB)")
+    parser.add_argument(
+        "--target-parallel",
+        type=int,
+        default=1,
+        help="colocated: ranks that hold one target sharded by tensor parallelism (distributed.target_parallel)",
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="a")
     parser.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -342,15 +361,19 @@ def torchrun_bench(argv: list[str]) -> int:
     parser.add_argument("--workdir", default="bench-train-work", help="the saved random target and the runs")
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
+    if args.target_parallel < 1 or args.nproc_per_node % args.target_parallel:
+        raise FlashdraftError(
+            f"--target-parallel {args.target_parallel} must divide --nproc-per-node {args.nproc_per_node}"
+        )
+    if args.target_parallel > 1 and args.mode != "colocated":
+        raise FlashdraftError(
+            "--target-parallel above 1 needs --mode colocated (split + tensor parallel: not yet)"
+        )
     shape = SHAPES[args.shape]
     work = Path(args.workdir)
     target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
     if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
-        model = build_random_target(
-            args.target, device="cpu", dtype=torch.bfloat16, num_layers=args.target_layers
-        )
-        model.save_pretrained(target_dir)
-        del model
+        save_random_target(target_dir, args.target, args.target_layers)
     trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
     steps = args.steps + args.warmup
     data = work / f"data-{args.shape}.jsonl"
@@ -360,7 +383,7 @@ def torchrun_bench(argv: list[str]) -> int:
         for _ in range(steps * shape["batch"] * trainers):
             ids = torch.randint(0, vocab - 300, (shape["seq"],), generator=g).tolist()
             f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (shape["seq"] - 64)}) + "\n")
-    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}"
+    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
     overrides = {
         "model.target": target_dir,
         "model.num_layers": args.drafter_layers,
@@ -380,6 +403,7 @@ def torchrun_bench(argv: list[str]) -> int:
         "distributed.target_ranks": args.target_ranks,
         "distributed.data_parallel": args.data_parallel,
         "distributed.bucket_mb": args.bucket_mb,
+        "distributed.target_parallel": args.target_parallel,
     }
     if run.exists():
         import shutil
@@ -410,8 +434,10 @@ def torchrun_bench(argv: list[str]) -> int:
         "target_gpus": args.target_ranks if args.mode == "split" else None,
         "data_parallel": args.data_parallel,
         "bucket_mb": args.bucket_mb,
+        "target_parallel": args.target_parallel,
         "shape": {"name": args.shape, **shape},
         "target": args.target,
+        "target_layers": args.target_layers,
         "step_seconds_median": round(step_s, 4),
         "samples_per_s": round(samples_per_s, 3),
         "samples_per_s_per_gpu": round(samples_per_s / args.nproc_per_node, 3),

@@ -111,10 +111,13 @@ class TargetModel:
         if dtype is None:
             dtype = default_dtype(device)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            # Straight onto the device (device_map): a GPU target never passes whole through host memory.
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, device_map={"": torch.device(device)}
+            )
         except (ValueError, OSError) as exc:
             raise FlashdraftError(f"target {path}: cannot load as a causal LM: {exc}") from None
-        return cls(model.to(device), layer_ids, name=f"target {path}")
+        return cls(model, layer_ids, name=f"target {path}")
 
     def set_layer_ids(self, layer_ids) -> None:
         layer_ids = list(layer_ids)

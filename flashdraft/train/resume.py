@@ -40,6 +40,7 @@ EXEMPT = frozenset(
         "distributed.target_ranks",
         "distributed.max_in_flight",
         "distributed.bucket_mb",  # how gradients travel, not what they sum to
+        "distributed.target_parallel",  # how the frozen target is placed; the features are the same
     }
 )
 # Keys that may grow: the run goes on longer. 0 means "no step limit" for max_steps.

@@ -58,6 +58,7 @@ from flashdraft.distributed.split import (
     micro_share,
     split_roles,
 )
+from flashdraft.distributed.target_parallel import check_group_size, load_group_target
 from flashdraft.distributed.topology import (
     Topology,
     all_reduce_sum,
@@ -241,6 +242,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 "drafter ranks hold no target); set train.eval_every=0 or use distributed.mode=colocated"
             )
 
+    if config.distributed.target_parallel > 1:  # before any long work (config.py refuses split mode)
+        check_group_size(config.distributed.target_parallel, topo.world_size)
+
     def say(line: str) -> None:  # the main rank speaks for all
         if topo.is_main:
             print(line, flush=True)
@@ -283,7 +287,11 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "data.packing=true with distributed.mode=split: target ranks do not pack rows yet; "
             "set data.packing=false or distributed.mode=colocated"
         )
-    if roles is None or roles.is_target:
+    if config.distributed.target_parallel > 1:  # one target sharded over each group of ranks
+        target = load_group_target(
+            config.model.target, spec.target_layer_ids, device, config.distributed.target_parallel
+        )
+    elif roles is None or roles.is_target:
         target = TargetModel.load(config.model.target, spec.target_layer_ids, device=device)
     else:  # a drafter rank of a split topology needs only the target's embedding and LM head on its device
         target = TargetModel.load(config.model.target, spec.target_layer_ids, dtype=default_dtype(device))
@@ -368,7 +376,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         )
 
     objective = bind(parallel.module)  # the DDP wrapper, the FSDP-sharded drafter, or the drafter
-    # Evaluation runs on the main rank alone with a replica (no collective), on every rank with shards.
+    # Evaluation runs on the main rank alone with a replica (no collective), on every rank with shards (of
+    # the drafter, or of the target: distributed.target_parallel).
     eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
@@ -642,7 +651,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             )
             window = LogWindow(spec.block_size)
         evaluating = eval_data is not None and t.eval_every and (step % t.eval_every == 0 or last or timed)
-        if evaluating and (topo.is_main or parallel.sharded):
+        # A sharded drafter or a group-sharded target makes evaluation a collective: every rank runs it.
+        if evaluating and (topo.is_main or parallel.sharded or config.distributed.target_parallel > 1):
             heartbeat.beat("evaluating")
             result = evaluate(eval_objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
             result["train_minutes"] = train_seconds / 60
