@@ -33,7 +33,8 @@ case "${1:-tests}" in
   real-setup)
     cat $REAL/smollm2.gguf.part00 .real/smollm2.gguf.part01 > $REAL/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$GGUF_SHA256  $REAL/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl || exit 1
+    # gguf reads the GGUF; dflash (z-lab) is the oracle eval --engine zlab runs beside ours
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl .whl/dflash-*.whl || exit 1
     cp .real/prompts_*.jsonl $REAL/
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft convert $REAL/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out $REAL/smollm2 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
