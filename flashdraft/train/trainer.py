@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import math
 import signal
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -85,6 +84,7 @@ from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.blocks import summarize_acceptance
+from flashdraft.train.budget import TrainingClock, budget_schedule_position
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
 from flashdraft.train.feature_server import serve_features
 from flashdraft.train.flops import peak_tflops, step_flops
@@ -94,21 +94,6 @@ from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer, named_optimizer_state, positional_optimizer_state
 from flashdraft.train.resume import check_resume_config
 from flashdraft.train.window import LogWindow
-
-
-def budget_schedule_position(
-    step: int, total_steps: int, budget_seconds: float, spent_seconds: float, recent_step_seconds
-) -> int:
-    """The step the lr schedule is at under a time budget (train.max_minutes): the cosine runs over the
-    steps expected to fit, the steps done plus the budget left over a typical (median) recent step.
-    Compile and recompile stalls count against the budget but not against the schedule: on the H200 they
-    took half of a 2.5-minute budget, and a schedule on spent time alone had decayed the lr before the
-    drafter learned anything (docs/quality-benchmark.md)."""
-    if not recent_step_seconds:
-        return step
-    left = max(budget_seconds - spent_seconds, 0.0)
-    expected = step + left / max(statistics.median(recent_step_seconds), 1e-9)
-    return min(total_steps, max(step, int(step / max(expected, 1.0) * total_steps)))
 
 
 def lr_lambda(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
@@ -384,16 +369,17 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
-    # train.max_minutes: a budget of training time (step time only; evaluation and checkpoint writes are
-    # not counted), and under it the schedule runs over the budget (docs/quality-benchmark.md).
+    # train.max_minutes: a budget of training time (step time only; evaluation, checkpoint writes and steps
+    # that compiled are not counted), and under it the schedule runs over the budget (train/budget.py).
     budget_seconds = t.max_minutes * 60
-    train_seconds = 0.0
-    recent_step_seconds: collections.deque[float] = collections.deque(maxlen=64)
+    training_time = TrainingClock()
 
     def schedule_position(s: int) -> int:
         if not budget_seconds:
             return s
-        return budget_schedule_position(s, total_steps, budget_seconds, train_seconds, recent_step_seconds)
+        return budget_schedule_position(
+            s, total_steps, budget_seconds, training_time.train_seconds, training_time.recent
+        )
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(schedule_position(s), total_steps, t.warmup_ratio, t.min_lr_ratio)
@@ -431,7 +417,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         step, best_tau, skipped = state["step"], state["best_tau"], state["skipped_steps"]
-        train_seconds = float(state.get("train_seconds", 0.0))
+        training_time = TrainingClock(
+            float(state.get("train_seconds", 0.0)), float(state.get("compile_seconds", 0.0))
+        )
         say(f"resumed from {resume_from.path} at step {step}")
         del state
         resume_from = None  # frees the loaded state and the verified CPU copy of the drafter
@@ -449,7 +437,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "best_tau": best_tau,
             "total_steps": total_steps,
             "skipped_steps": skipped,
-            "train_seconds": train_seconds,
+            "train_seconds": training_time.train_seconds,
+            "compile_seconds": training_time.compile_seconds,
             "config": to_dict(config),
             "world_size": topo.world_size,
         }
@@ -470,7 +459,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     )
     outcome = "finished"
     timed_every = t.save_every_minutes * 60
-    next_timed_save = (math.floor(train_seconds / timed_every) + 1) * timed_every if timed_every else math.inf
+    next_timed_save = (
+        (math.floor(training_time.train_seconds / timed_every) + 1) * timed_every if timed_every else math.inf
+    )
 
     # Split topology: this drafter rank's features come from its target rank, received ahead of use.
     receiver = clock = control = None
@@ -530,6 +521,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     over_budget = False
     while step < total_steps:
         started = time.perf_counter()
+        training_time.start()
         waited_before = clock.waiting if clock else 0.0
         # Split: the receives of the next max_in_flight - 1 steps are posted before this one trains.
         draw_ahead(config.distributed.max_in_flight if roles else 1)
@@ -568,7 +560,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         # The step's one host read, before any update: a non-finite loss or gradient norm on any rank
         # skips the step on every rank, and a stop request on any rank stops every rank after it.
         # The budget flag too: ranks' clocks differ slightly, and all must stop after the same step.
-        over_budget = bool(budget_seconds) and train_seconds + time.perf_counter() - started >= budget_seconds
+        over_budget = training_time.would_exceed(budget_seconds)
         bad, stopping, over_budget = any_rank_flags(
             [non_finite(losses, grad_norm), stop.requested, over_budget], device, topo
         )
@@ -604,11 +596,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
             totals = control.exchange(stopping or over_budget, clock, step)
             stopping = stopping or (totals["stop"] > 0 and not over_budget)
-        recent_step_seconds.append(time.perf_counter() - started)
-        train_seconds += recent_step_seconds[-1]
+        training_time.stop()
         last = step == total_steps or over_budget
-        timed = train_seconds >= next_timed_save  # a checkpoint every train.save_every_minutes
-        while next_timed_save <= train_seconds:
+        timed = training_time.train_seconds >= next_timed_save  # a checkpoint every train.save_every_minutes
+        while next_timed_save <= training_time.train_seconds:
             next_timed_save += timed_every
 
         heartbeat.beat(
@@ -629,7 +620,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 "grad_norm": float(grad_norm),
                 "epoch": sampler_state["epoch"],
                 "skipped_steps": skipped,
-                "train_minutes": train_seconds / 60,
+                "train_minutes": training_time.train_seconds / 60,
+                "compile_minutes": training_time.compile_seconds / 60,
             }
             if peak:
                 metrics["mfu"] = metrics["tflops"] / peak / topo.world_size
@@ -655,7 +647,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         if evaluating and (topo.is_main or parallel.sharded or config.distributed.target_parallel > 1):
             heartbeat.beat("evaluating")
             result = evaluate(eval_objective, eval_data, t.batch_size, t.seed, placement.pad_multiple, device)
-            result["train_minutes"] = train_seconds / 60
+            result["train_minutes"] = training_time.train_seconds / 60
             heartbeat.beat("training", eval_tau=result["tau"])
             if logger is not None:
                 logger.log(step, result, kind="eval")
@@ -695,6 +687,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         "best_tau": best_tau,
         "outcome": outcome,
         "skipped_steps": skipped,
-        "train_minutes": train_seconds / 60,
+        "train_minutes": training_time.train_seconds / 60,
+        "compile_minutes": training_time.compile_seconds / 60,
         "budget_spent": over_budget,
     }

@@ -365,7 +365,7 @@ def test_bench_quality_refuses_bad_flags_before_any_work(chain_target, tmp_path)
 
 
 def test_a_compile_stall_does_not_decay_the_budget_schedule():
-    from flashdraft.train.trainer import budget_schedule_position
+    from flashdraft.train.budget import budget_schedule_position
 
     # 100 s budget; step 10 done after a 50 s compile stall and nine 0.1 s steps: about 500 steps still fit,
     # so the schedule stands at ~2% of its length, not at the 51% of the budget the clock has spent.
@@ -375,6 +375,40 @@ def test_a_compile_stall_does_not_decay_the_budget_schedule():
     # Without a step yet, and past the budget, the ends are the step itself and the whole schedule.
     assert budget_schedule_position(0, 10_000, 100.0, 0.0, []) == 0
     assert budget_schedule_position(400, 10_000, 100.0, 120.0, [0.1] * 10) == 10_000
+
+
+def test_steps_that_compile_are_booked_as_compile_time_not_against_the_budget(monkeypatch):
+    import torch
+
+    from flashdraft.train import budget
+
+    graphs = [0]
+    now = [100.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: now[0])
+    clock = budget.TrainingClock(train_seconds=1.0, graphs=lambda: graphs[0])
+
+    def step(seconds: float, compiles: bool, budget_seconds: float = 0.0) -> bool:
+        clock.start()
+        now[0] += seconds
+        graphs[0] += compiles
+        exceeded = clock.would_exceed(budget_seconds)
+        clock.stop()
+        return exceeded
+
+    assert not step(40.0, compiles=True, budget_seconds=10.0)  # a 40 s compile never spends the budget
+    assert not step(0.5, compiles=False, budget_seconds=10.0)
+    assert not step(30.0, compiles=True, budget_seconds=10.0)  # a recompile for a new length
+    assert clock.train_seconds == 1.5 and clock.compile_seconds == 70.0
+    assert list(clock.recent) == [0.5]  # the schedule's typical step knows nothing of compiling
+    assert step(8.5, compiles=False, budget_seconds=10.0)  # 1.5 + 8.5 reaches the 10 s budget
+
+    # the real counter moves when torch.compile builds a graph, and not when it reuses one
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    before = budget.compiled_graph_count()
+    double(torch.ones(2))
+    after_first = budget.compiled_graph_count()
+    double(torch.ones(2))
+    assert after_first == before + 1 and budget.compiled_graph_count() == after_first
 
 
 # --------------------------------------------------------------------------- variants on shared data
