@@ -16,6 +16,9 @@
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
+#   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
+#   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
+#          over 2 GPUs with the drafter on the same 2 (fla kernels carried in .whl)
 #   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
 #   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
@@ -57,6 +60,21 @@ case "${1:-tests}" in
     [ -f $REAL/quality/data/eval/manifest.json ] || { tail -5 "$out/compare_${ENGINE:-static}.log"; run_compare hf; }
     grep -v -i warn "$out"/compare_*.log | grep -v "Loading weights" | tail -45
     for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/variant_$(basename $v).log"; done ;;
+  scaling2)
+    for run in "b2 --data-parallel ddp" "b2_bucket100 --data-parallel ddp --bucket-mb 100" "b2_fsdp --data-parallel fsdp"; do
+      set -- $run; SECONDS=0
+      python3 -m flashdraft bench train --nproc-per-node 2 --workdir /tmp/bw "${@:2}" \
+        --out "$out/scaling_h200_$1.json" > "$out/scaling_$1.log" 2>&1
+      echo "$1: $SECONDS s"; grep -E '"samples_per_s|Error' "$out/scaling_$1.log" | tail -3
+    done ;;
+  tp)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/fla
+    python3 -m pytest -m gpu tests/distributed/test_target_parallel_gpu.py -q -p no:cacheprovider 2>&1 | tail -3
+    SECONDS=0
+    python3 -m flashdraft bench train --nproc-per-node 2 --target qwen3.6-27b --target-parallel 2 --workdir /tmp/bw27 \
+      --out "$out/tp2_h200x2_27b.json" > "$out/tp2.log" 2>&1
+    echo "27B tp2: $SECONDS s"; grep -v -i warn "$out/tp2.log" | grep -v "Loading weights" | tail -6 ;;
   scaling)
     for run in "1 b1" "2 b2 --data-parallel ddp" "2 s11 --mode split --target-ranks 1"; do
       set -- $run
