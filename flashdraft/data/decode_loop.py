@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import torch
 
 from flashdraft.config import Sampling
-from flashdraft.data.decode_attention import use_decode_attention
+from flashdraft.data.decode_attention import KERNELS, use_decode_attention
 from flashdraft.data.engines import batch_size_for_memory, cut_at_stop, seeded_token, text_config
 from flashdraft.errors import FlashdraftError
 
@@ -105,8 +105,12 @@ class StaticEngine:
         bucket: int = 0,
         check_every: int = 16,
         prefill_tokens: int = 0,
-        grouped_attention: bool = True,
+        attention: str = "grouped",
     ):
+        if attention not in (*KERNELS, "model"):
+            raise FlashdraftError(
+                f"static engine attention {attention!r}: expected one of {[*KERNELS, 'model']}"
+            )
         reason = unsupported_reason(model)
         if reason:
             raise FlashdraftError(f"--engine static: cannot drive this target: {reason}; use --engine hf")
@@ -124,7 +128,7 @@ class StaticEngine:
         self.graph_failure: str | None = None  # why capture failed (then every step ran eagerly)
         self.graphs_captured = 0
         self.last_rows = 0
-        self.grouped_attention = grouped_attention  # False: the model's own attention (for comparison)
+        self.attention = attention  # a kernel of decode_attention.KERNELS, or "model": its own attention
         self.attention_used = "not run yet"
         # totals over every generate_ids call: the manifest's record of where the time went
         self.timing = {"batches": 0, "decode_steps": 0, "prefill_s": 0.0, "capture_s": 0.0, "decode_s": 0.0}
@@ -180,10 +184,10 @@ class StaticEngine:
             return None
         return self.graphs.get(visible)
 
-    def _capture_all(self, total: int) -> None:
-        """Capture one step per attended-width bucket. Capturing runs nothing; the warm-up steps before
-        it do run (on a side stream), which is harmless here: the prefill that follows resets every
-        buffer they touched."""
+    def _capture_all(self, total: int, widths: list[int] | None = None) -> None:
+        """Capture one step per attended-width bucket (or per width of `widths`). Capturing runs nothing;
+        the warm-up steps before it do run (on a side stream), which is harmless here: the prefill that
+        follows resets every buffer they touched."""
         if not self.cuda_graphs or self.graph_failure:
             return
         try:
@@ -194,7 +198,7 @@ class StaticEngine:
                     self._step(self._visible(0, total))
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
-            for visible in sorted({self._visible(c, total) for c in range(total)}):
+            for visible in widths or sorted({self._visible(c, total) for c in range(total)}):
                 graph = torch.cuda.CUDAGraph()
                 # every graph's own tensors are dead after its replay (results land in the buffers made
                 # in _allocate), so one memory pool serves all of them
@@ -272,15 +276,22 @@ class StaticEngine:
 
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
-        switch = use_decode_attention(self.model) if self.grouped_attention else nullcontext(False)
-        with switch as grouped:
-            if grouped:
-                self.attention_used = "grouped decode (K and V read once)"
-            elif self.grouped_attention:
+        with self._attention() as switched:
+            if switched:
+                self.attention_used = f"{self.attention} (K and V read once per step)"
+            elif self.attention != "model":
                 self.attention_used = "the model's own (it cannot switch its attention implementation)"
             else:
                 self.attention_used = "the model's own (asked for)"
             return self._generate(prompts, seeds)
+
+    def _attention(self):
+        """The context that runs the model on the chosen decode attention (yields whether it took)."""
+        return (
+            nullcontext(False)
+            if self.attention == "model"
+            else use_decode_attention(self.model, self.attention)
+        )
 
     def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -316,6 +327,35 @@ class StaticEngine:
             for row, ids in enumerate(self.out[: len(batch)].tolist()):
                 out[batch[row]] = cut_at_stop(ids[: counts[row]], self.stops)
         return out
+
+    @torch.inference_mode()
+    def step_seconds(self, rows: int, columns: int, repeats: int = 5) -> float:
+        """Mean wall time of one decode step of `rows` rows attending to `columns` filled columns (random
+        keys and values), run as `generate_ids` runs it (its attention, a CUDA graph on a GPU): for
+        `flashdraft bench regen --step-time`, which compares the attentions without a whole run."""
+        with self._attention():
+            self._allocate(rows, columns)
+            self._capture_all(columns, widths=[columns])
+            for buffer in self.cache.keys + self.cache.values:
+                buffer.normal_()
+            self.mask.fill_(True)
+            self.positions.fill_(columns - 1)
+            graph = self._graph(columns)
+
+            def step() -> None:
+                self.cache.column.fill_(columns - 1)  # every step writes the last column again
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._step(columns)
+
+            step()  # untimed: lazy initialisations, first-touch of the buffers
+            started = self._clock()
+            for _ in range(repeats):
+                step()
+            seconds = (self._clock() - started) / repeats
+            self.graphs.clear()
+            return seconds
 
     def _rows(self, total: int) -> int:
         if self.batch_size:
