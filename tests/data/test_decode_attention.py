@@ -4,6 +4,7 @@ restored after (also after an error), and the engine's decode steps really runni
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -164,3 +165,23 @@ def test_on_cuda_in_bf16_the_kernels_agree_with_sdpa_and_graphs_equal_eager(kern
     assert graphs.generate_ids(prompts, seeds) == eager.generate_ids(prompts, seeds)
     assert graphs.describe()["cuda_graphs"] is True, graphs.describe()
     assert graphs.describe()["decode_attention"].startswith(f"{kernel} ")
+
+
+def test_bench_regen_step_time_reports_each_attention_and_refuses_a_bad_size(tmp_path, capsys):
+    from flashdraft.bench.regen_bench import engine_timing, main
+    from flashdraft.bench.tiny import save_tiny_target
+
+    target = save_tiny_target(tmp_path / "t", "llama", vocab_size=64, hidden_size=32, num_layers=1)
+    with pytest.raises(FlashdraftError, match=r"^--step-time '8by16': expected ROWSxCOLUMNS"):
+        main(["--target", str(target), "--step-time", "8by16"])
+    out = tmp_path / "step.json"
+    assert main(["--target", str(target), "--step-time", "8x16", "--device", "cpu", "--out", str(out)]) == 0
+    step = json.loads(out.read_text())["step_time"]
+    assert step["rows"] == 8 and step["columns"] == 16
+    assert all(step[f"{a}_ms"] > 0 for a in ("grouped", "grouped-fused", "model"))
+    # the timing kept from a prepare manifest: static-engine workers only
+    regeneration = {"engine_details": [{"engine": "hf"}, {"engine": "static", "rows": 4, "decode_steps": 9}]}
+    assert engine_timing(regeneration) == [
+        {"rows": 4, "batches": None, "decode_steps": 9, "decode_s": None, "decode_ms_per_step": None}
+        | {"prefill_s": None, "capture_s": None}
+    ]
