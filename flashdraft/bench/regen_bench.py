@@ -7,6 +7,10 @@ left-padded in input order, `--baseline-batch` rows per `model.generate` call, g
 tokens. Both count new tokens up to and including the stop token. Method and results:
 docs/regeneration.md.
 
+The result carries each static-engine worker's timing (`engine_timing`: rows, decode steps, decode,
+prefill and capture seconds, ms per decode step). `--step-time ROWSxCOLS` times only the static engine's
+decode step at that size with each decode attention: `grouped`, `grouped-fused` and the model's own.
+
 `--make-inputs DIR` writes a random-weight target shaped like a 135M instruct model (with a word-level
 tokenizer and a ChatML template: no model hub is reachable) and a prompts file, for machines without one.
 """
@@ -116,6 +120,41 @@ def plain_generate(target: str, prompts: list[list[int]], stops: list[int], pad:
     }
 
 
+def _rows_by_columns(text: str) -> tuple[int, int]:
+    rows, sep, columns = text.lower().partition("x")
+    if not (sep and rows.isdigit() and columns.isdigit() and int(rows) > 0 and int(columns) > 1):
+        raise FlashdraftError(f"--step-time {text!r}: expected ROWSxCOLUMNS, e.g. 256x1024")
+    return int(rows), int(columns)
+
+
+def step_time(target: str, rows: int, columns: int, device_name: str, repeats: int = 5) -> dict:
+    """Milliseconds of one static-engine decode step at `rows` x `columns` with each decode attention
+    (`grouped`, `grouped-fused`, and `model`: the model's own SDPA), bf16 with CUDA graphs on a GPU, fp32
+    eager on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.data.decode_loop import StaticEngine
+
+    device = torch.device("cuda" if torch.cuda.is_available() and device_name != "cpu" else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa").to(device)
+    sampling = Sampling(max_new_tokens=columns)
+    result: dict = {"rows": rows, "columns": columns, "device": str(device), "dtype": str(dtype)}
+    for attention in ("grouped", "grouped-fused", "model"):
+        engine = StaticEngine(model, sampling, [], 0, rows, attention=attention)
+        result[f"{attention}_ms"] = round(1000 * engine.step_seconds(rows, columns, repeats), 3)
+        result["cuda_graphs"] = engine.describe()["cuda_graphs"]
+        del engine
+    return result
+
+
+def engine_timing(regeneration: dict) -> list[dict]:
+    """Each static-engine worker's record of where its time went (empty for other engines)."""
+    keys = ("rows", "batches", "decode_steps", "decode_s", "decode_ms_per_step", "prefill_s", "capture_s")
+    details = regeneration.get("engine_details") or []
+    return [{key: detail.get(key) for key in keys} for detail in details if "decode_steps" in detail]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdraft bench regen")
     parser.add_argument("--target", help="target model directory (with its tokenizer and chat template)")
@@ -129,10 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--make-inputs", metavar="DIR", help="write a 135M-shaped random target and prompts")
     parser.add_argument("--num-prompts", type=int, default=2000, help="with --make-inputs")
     parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument(
+        "--step-time", metavar="ROWSxCOLS", help="time only the static engine's decode step at this size"
+    )
     args = parser.parse_args(argv)
     if args.make_inputs:
         target, prompts_file = make_inputs(Path(args.make_inputs), args.num_prompts)
         print(f"target {target}\nprompts {prompts_file}")
+        return 0
+    if args.step_time:
+        rows, columns = _rows_by_columns(args.step_time)
+        if not args.target:
+            raise FlashdraftError("flashdraft bench regen --step-time: --target is required")
+        result = {**provenance("regen", argv), "target": str(args.target)}
+        result["step_time"] = step_time(args.target, rows, columns, args.device)
+        print(json.dumps(result, indent=1))
+        if args.out:
+            atomic_write_json(args.out, result, indent=2)
         return 0
     if not args.target or not args.prompts:
         raise FlashdraftError("flashdraft bench regen: --target and --prompts are required")
@@ -173,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             if manifest
             else local_regeneration(args.target, sampling, settings)["record"],
             "samples_kept": manifest["samples"] if manifest else 0,
+            "engine_timing": engine_timing(manifest["regeneration"]) if manifest else [],
         },
     }
     if not args.skip_baseline:

@@ -9,16 +9,22 @@ minimum per step (docs/regeneration.md, "The static engine"):
 - greedy argmax, or `seeded_token` (per-row counter-based noise: the answer does not depend on its batch);
 - stop ids checked on the device; the host looks at the finished flags only every `check_every` steps;
 - on a GPU each decode step is captured once in a CUDA graph per attended-width bucket and replayed
-  (no torch.compile); a failed capture falls back to eager steps and `describe()` says so.
+  (no torch.compile); a failed capture falls back to eager steps and `describe()` says so;
+- the 1-token decode attention reads each cached K and V once (`decode_attention.py`): the model is
+  switched to it for the call and switched back after;
+- `describe()` reports where the time went: prefill, capture and decode seconds, decode steps, rows.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
+from contextlib import nullcontext
 
 import torch
 
 from flashdraft.config import Sampling
+from flashdraft.data.decode_attention import KERNELS, use_decode_attention
 from flashdraft.data.engines import batch_size_for_memory, cut_at_stop, seeded_token, text_config
 from flashdraft.errors import FlashdraftError
 
@@ -99,7 +105,12 @@ class StaticEngine:
         bucket: int = 0,
         check_every: int = 16,
         prefill_tokens: int = 0,
+        attention: str = "grouped",
     ):
+        if attention not in (*KERNELS, "model"):
+            raise FlashdraftError(
+                f"static engine attention {attention!r}: expected one of {[*KERNELS, 'model']}"
+            )
         reason = unsupported_reason(model)
         if reason:
             raise FlashdraftError(f"--engine static: cannot drive this target: {reason}; use --engine hf")
@@ -117,6 +128,10 @@ class StaticEngine:
         self.graph_failure: str | None = None  # why capture failed (then every step ran eagerly)
         self.graphs_captured = 0
         self.last_rows = 0
+        self.attention = attention  # a kernel of decode_attention.KERNELS, or "model": its own attention
+        self.attention_used = "not run yet"
+        # totals over every generate_ids call: the manifest's record of where the time went
+        self.timing = {"batches": 0, "decode_steps": 0, "prefill_s": 0.0, "capture_s": 0.0, "decode_s": 0.0}
 
     # -- buffers of one generate_ids call -------------------------------------------------------------
     def _allocate(self, rows: int, total: int) -> None:
@@ -169,10 +184,10 @@ class StaticEngine:
             return None
         return self.graphs.get(visible)
 
-    def _capture_all(self, total: int) -> None:
-        """Capture one step per attended-width bucket. Capturing runs nothing; the warm-up steps before
-        it do run (on a side stream), which is harmless here: the prefill that follows resets every
-        buffer they touched."""
+    def _capture_all(self, total: int, widths: list[int] | None = None) -> None:
+        """Capture one step per attended-width bucket (or per width of `widths`). Capturing runs nothing;
+        the warm-up steps before it do run (on a side stream), which is harmless here: the prefill that
+        follows resets every buffer they touched."""
         if not self.cuda_graphs or self.graph_failure:
             return
         try:
@@ -183,7 +198,7 @@ class StaticEngine:
                     self._step(self._visible(0, total))
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
-            for visible in sorted({self._visible(c, total) for c in range(total)}):
+            for visible in widths or sorted({self._visible(c, total) for c in range(total)}):
                 graph = torch.cuda.CUDAGraph()
                 # every graph's own tensors are dead after its replay (results land in the buffers made
                 # in _allocate), so one memory pool serves all of them
@@ -196,6 +211,13 @@ class StaticEngine:
             self.graph_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+
+    def _clock(self) -> float:
+        """Seconds now, after the device has finished what was queued (kernels run asynchronously on a
+        GPU; called only between phases, never inside the decode loop)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _visible(self, column: int, total: int) -> int:
         return min(total, -(-(column + 1) // self.bucket) * self.bucket)
@@ -236,7 +258,9 @@ class StaticEngine:
             self.positions[rows_here] = lengths
             self._advance(logits, rows_here)
 
-    def _decode(self, width: int, total: int) -> None:
+    def _decode(self, width: int, total: int) -> int:
+        """Decode steps until every row has finished or `max_new_tokens`; returns the steps run."""
+        steps = 0
         for n in range(1, self.sampling.max_new_tokens):
             column = width + n - 1
             visible = self._visible(column, total)
@@ -245,11 +269,31 @@ class StaticEngine:
                 graph.replay()
             else:
                 self._step(visible)
+            steps += 1
             if n % self.check_every == 0 and bool(self.done.all()):  # the only host sync of the loop
                 break
+        return steps
 
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        with self._attention() as switched:
+            if switched:
+                self.attention_used = f"{self.attention} (K and V read once per step)"
+            elif self.attention != "model":
+                self.attention_used = "the model's own (it cannot switch its attention implementation)"
+            else:
+                self.attention_used = "the model's own (asked for)"
+            return self._generate(prompts, seeds)
+
+    def _attention(self):
+        """The context that runs the model on the chosen decode attention (yields whether it took)."""
+        return (
+            nullcontext(False)
+            if self.attention == "model"
+            else use_decode_attention(self.model, self.attention)
+        )
+
+    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         if not order:
@@ -264,18 +308,54 @@ class StaticEngine:
         rows = -(-len(order) // batches)  # even batches: 1000 + 1000, not 1024 + 976
         self.last_rows = rows
         self._allocate(rows, total)
+        timing, started = self.timing, self._clock()
         self._capture_all(total)
+        timing["capture_s"] += self._clock() - started
         for start in range(0, len(order), rows):
             batch = order[start : start + rows]
             # rows beyond the batch repeat its last prompt (their answers are dropped): the shapes stay
             filled = batch + [batch[-1]] * (rows - len(batch))
             batch_width = -(-len(prompts[batch[0]]) // self.pad_multiple) * self.pad_multiple
+            started = self._clock()
             self._prefill([prompts[i] for i in filled], [seeds[i] for i in filled], batch_width)
-            self._decode(batch_width, total)
+            prefilled = self._clock()
+            timing["decode_steps"] += self._decode(batch_width, total)
+            timing["decode_s"] += self._clock() - prefilled
+            timing["prefill_s"] += prefilled - started
+            timing["batches"] += 1
             counts = self.generated.tolist()
             for row, ids in enumerate(self.out[: len(batch)].tolist()):
                 out[batch[row]] = cut_at_stop(ids[: counts[row]], self.stops)
         return out
+
+    @torch.inference_mode()
+    def step_seconds(self, rows: int, columns: int, repeats: int = 5) -> float:
+        """Mean wall time of one decode step of `rows` rows attending to `columns` filled columns (random
+        keys and values), run as `generate_ids` runs it (its attention, a CUDA graph on a GPU): for
+        `flashdraft bench regen --step-time`, which compares the attentions without a whole run."""
+        with self._attention():
+            self._allocate(rows, columns)
+            self._capture_all(columns, widths=[columns])
+            for buffer in self.cache.keys + self.cache.values:
+                buffer.normal_()
+            self.mask.fill_(True)
+            self.positions.fill_(columns - 1)
+            graph = self._graph(columns)
+
+            def step() -> None:
+                self.cache.column.fill_(columns - 1)  # every step writes the last column again
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._step(columns)
+
+            step()  # untimed: lazy initialisations, first-touch of the buffers
+            started = self._clock()
+            for _ in range(repeats):
+                step()
+            seconds = (self._clock() - started) / repeats
+            self.graphs.clear()
+            return seconds
 
     def _rows(self, total: int) -> int:
         if self.batch_size:
@@ -287,6 +367,20 @@ class StaticEngine:
             return batch_size_for_memory(self.model, total, self.device, extra_per_row=extra)
         return 64
 
+    def timing_record(self) -> dict:
+        """Where the time of every call so far went (seconds, rounded), and the mean decode step."""
+        t = self.timing
+        return {
+            "batches": t["batches"],
+            "decode_steps": t["decode_steps"],
+            "decode_s": round(t["decode_s"], 4),
+            "decode_ms_per_step": round(1000 * t["decode_s"] / t["decode_steps"], 3)
+            if t["decode_steps"]
+            else None,
+            "prefill_s": round(t["prefill_s"], 4),
+            "capture_s": round(t["capture_s"], 4),
+        }
+
     def describe(self) -> dict:
         graphs = self.cuda_graphs and not self.graph_failure
         record = {
@@ -295,6 +389,8 @@ class StaticEngine:
             "rows": self.last_rows,
             "cuda_graphs": graphs,
             "kv_bucket": self.bucket,
+            "decode_attention": self.attention_used,
+            **self.timing_record(),
         }
         if self.cuda_graphs and self.graph_failure:
             record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"
