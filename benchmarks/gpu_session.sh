@@ -22,7 +22,8 @@
 #   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
 #   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
-#   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl)
+#   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl);
+#          REGEN_FLAGS="--device cuda:0" for one GPU against the one-GPU baseline; ENGINES="static hf"
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
@@ -86,10 +87,14 @@ case "${1:-tests}" in
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
       --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
   newtests)
-    python3 -m pytest -m gpu tests/data/test_regen_static.py tests/train/test_optim.py tests/model/test_dflash2_gpu.py \
+    python3 -m pytest -m gpu tests/data/test_regen_static.py tests/data/test_decode_attention.py tests/train/test_optim.py \
+      tests/model/test_dflash2_gpu.py \
       -q -p no:cacheprovider ${NEWTESTS_FLAGS:-} \
       2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
+    # one decode step of the static engine at the real run's size, with each decode attention
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench regen --target $REAL/smollm2 --step-time 1000x832 \
+      2>&1 | grep -v -i warn | tail -6
     baseline=""  # the plain-generate baseline is timed once, with the first engine
     for engine in ${ENGINES:-auto}; do
       python3 -m flashdraft bench regen $baseline --target $REAL/smollm2 --prompts $REAL/prompts_train.jsonl \
