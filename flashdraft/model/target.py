@@ -111,10 +111,11 @@ class TargetModel:
         if dtype is None:
             dtype = default_dtype(device)
         try:
-            # Straight onto the device (device_map): a GPU target never passes whole through host memory.
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, device_map={"": torch.device(device)}
-            )
+            # Straight onto a GPU (device_map): the target never passes whole through host memory. On the
+            # CPU there is nothing to skip, and no accelerate-era loading path to depend on.
+            on_gpu = torch.device(device).type == "cuda"
+            placement = {"device_map": {"": torch.device(device)}} if on_gpu else {}
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
         except (ValueError, OSError) as exc:
             raise FlashdraftError(f"target {path}: cannot load as a causal LM: {exc}") from None
         return cls(model, layer_ids, name=f"target {path}")
