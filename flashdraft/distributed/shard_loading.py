@@ -191,6 +191,13 @@ class _Reader:
         return self._handle(name).get_slice(name)[index]
 
 
+def _own_copy(view: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """`view` (a slice of safetensors' memory map of the whole tensor) copied into memory of its own on
+    `device`: one allocation of the slice's size; only the slice's bytes of the file are read, and
+    nothing keeps the map of the whole tensor alive."""
+    return torch.empty(view.shape, dtype=dtype, device=device).copy_(view)
+
+
 def _materialise(param: nn.Parameter, source: str, reader: _Reader, device: torch.device) -> nn.Parameter:
     """`param` (on meta, maybe a DTensor) made real on `device` from the checkpoint's tensor `source`."""
     if list(param.shape) != reader.shape(source):
@@ -198,8 +205,9 @@ def _materialise(param: nn.Parameter, source: str, reader: _Reader, device: torc
             f"the checkpoint's {source!r} has shape {reader.shape(source)}, the model expects {list(param.shape)}"
         )
     if not isinstance(param, DTensor):
-        value = reader.read(source).to(device=device, dtype=param.dtype)
-        return nn.Parameter(value, requires_grad=param.requires_grad)
+        return nn.Parameter(
+            _own_copy(reader.read(source), param.dtype, device), requires_grad=param.requires_grad
+        )
     mesh, placements = param.device_mesh, param.placements
     if mesh.ndim != 1 or not isinstance(placements[0], (Shard, Replicate)):
         raise ShardLoadUnsupported(f"{source!r} is placed as {placements} (only Shard/Replicate on one axis)")
@@ -209,7 +217,7 @@ def _materialise(param: nn.Parameter, source: str, reader: _Reader, device: torc
     else:
         start, stop = shard_bounds(param.shape[placement.dim], mesh.size(), mesh.get_local_rank())
         local = reader.read(source, placement.dim, start, stop)
-    local = local.to(device=device, dtype=param.dtype)
+    local = _own_copy(local, param.dtype, device)
     if local.shape != param.to_local().shape:  # our cut must be DTensor's own
         raise ShardLoadUnsupported(
             f"{source!r}: shard {list(local.shape)} is not DTensor's {param.to_local().shape}"
@@ -253,5 +261,5 @@ def load_sharded(
         for name, buffer in list(model.named_buffers()):
             if buffer.is_meta:  # a persistent buffer: saved in the checkpoint, replicated
                 module, leaf = _module_and_leaf(model, name)
-                module._buffers[leaf] = reader.read(names[name]).to(device=device, dtype=buffer.dtype)
+                module._buffers[leaf] = _own_copy(reader.read(names[name]), buffer.dtype, device)
     return model.eval()
