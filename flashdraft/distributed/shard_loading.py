@@ -253,9 +253,8 @@ def load_sharded(
         for param, group in params.values():
             source = next(names[n] for n in group if names[n] in files)
             real = _materialise(param, source, reader, device)
-            for (
-                name
-            ) in group:  # every name of a tied weight gets the same parameter, as a normal load ties it
+            # Every name of a tied weight gets the same parameter, as a normal load ties them.
+            for name in group:
                 module, leaf = _module_and_leaf(model, name)
                 module._parameters[leaf] = real
         for name, buffer in list(model.named_buffers()):
