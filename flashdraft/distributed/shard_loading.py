@@ -116,10 +116,17 @@ def _check_transformers_agrees(model: nn.Module, names: dict[str, str], availabl
         return  # an older or newer transformers without it: the names checked above are what we have
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if len(renamings) + len(converters) != len(transforms):
+        raise ShardLoadUnsupported(
+            f"transformers applies a transform of a kind flashdraft does not know: {transforms}"
+        )
     for key, source in names.items():
         if source not in available:
             continue  # a tied name the checkpoint omits
-        renamed, converter = rename_source_key(source, renamings, converters)
+        try:
+            renamed, converter = rename_source_key(source, renamings, converters)
+        except TypeError:
+            return  # another signature than 5.24's: the names checked above are what we have
         if converter is not None:
             raise ShardLoadUnsupported(f"transformers converts the checkpoint's {source!r} on load")
         if renamed != key:
