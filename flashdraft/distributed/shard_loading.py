@@ -7,9 +7,9 @@ and then every parameter is made real on this rank's device holding only its own
 checkpoint's safetensors files as a slice: a rank reads the bytes of its shard and nothing more of a split
 weight. Replicated parameters (embedding, LM head, norms, the small Gated-DeltaNet parts) are read whole.
 
-What a normal load would do differently is refused with `ShardLoadUnsupported` (its message says why), and
-the caller falls back to loading the whole model: a GGUF target, a checkpoint without safetensors, a
-quantized one, checkpoint names that are neither the model's own nor its text model's inside a multimodal
+What a normal load would do differently is refused with `ShardLoadUnsupported` (its message says why),
+and the caller falls back to loading the whole model (as it does for a GGUF target): a checkpoint without
+safetensors, a quantized one, checkpoint names that are neither the model's own nor its text model's inside a multimodal
 wrapper (`model.language_model.`), a weight transformers converts on load, or a buffer it cannot recompute.
 """
 
@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.gguf import is_gguf_target
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -209,7 +208,8 @@ def _materialise(param: nn.Parameter, source: str, reader: _Reader, device: torc
     """`param` (on meta, maybe a DTensor) made real on `device` from the checkpoint's tensor `source`."""
     if list(param.shape) != reader.shape(source):
         raise ShardLoadUnsupported(
-            f"the checkpoint's {source!r} has shape {reader.shape(source)}, the model expects {list(param.shape)}"
+            f"the checkpoint's {source!r} has shape {reader.shape(source)}, "
+            f"the model expects {list(param.shape)}"
         )
     if not isinstance(param, DTensor):
         return nn.Parameter(
@@ -242,8 +242,6 @@ def load_sharded(
     with each parameter holding only this rank's shard on `device`. Raises `ShardLoadUnsupported` (before
     any weight is read) where a normal load would do something this cannot reproduce."""
     path = Path(path)
-    if is_gguf_target(path):
-        raise ShardLoadUnsupported("a GGUF target is converted to a whole model first")
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "quantization_config", None) is not None:
         raise ShardLoadUnsupported("the checkpoint is quantized (transformers dequantizes it on load)")

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from flashdraft.distributed.shard_loading import ShardLoadUnsupported, load_sharded
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.gguf import target_directory
+from flashdraft.model.gguf import is_gguf_target, target_directory
 from flashdraft.model.target import TargetModel, _decoder, default_dtype, load_target_config
 
 FIELD = "distributed.target_parallel"
@@ -191,25 +191,27 @@ def load_group_target(
     whole target never sits on one device. Where that cannot reproduce a normal load (a GGUF target,
     renamed or converted checkpoint names, ...: docs/distributed.md) it says why in one line and falls back
     to loading the whole target onto the device and cutting it there; `whole=True` asks for that path."""
+    why_whole = None if not is_gguf_target(path) else "a GGUF target is converted to a whole model first"
     path = target_directory(path)  # a GGUF target: converted once, before anything else
     config = load_target_config(path)
     check_divisible(config, target_parallel, f"target {path}")  # before the (long) load
     mesh = group_mesh(target_parallel, device)
     dtype = dtype or default_dtype(device)
     name = f"target {path}"
-    if not whole:
+    if not whole and why_whole is None:
         try:
             model = load_sharded(
                 path, dtype, device, lambda m: shard_layers(_decoder(m, config.num_hidden_layers)[0], mesh)
             )
             return GroupTarget(model, layer_ids, mesh, name=name, sharded=True)
         except ShardLoadUnsupported as why:
-            if mesh.get_local_rank() == 0:  # one line per group
-                print(
-                    f"{name}: loading the whole target on each rank of its group and cutting it there, "
-                    f"not only each rank's shard: {why}",
-                    flush=True,
-                )
+            why_whole = str(why)
+    if why_whole is not None and mesh.get_local_rank() == 0:  # one line per group
+        print(
+            f"{name}: loading the whole target on each rank of its group and cutting it there, "
+            f"not only each rank's shard: {why_whole}",
+            flush=True,
+        )
     plain = TargetModel.load(path, layer_ids, device=device, dtype=dtype)
     target = GroupTarget(plain.model, layer_ids, mesh, name=name)
     if device.type == "cuda":

@@ -217,3 +217,17 @@ def test_a_rank_allocates_its_shard_plus_the_replicated_part_not_the_whole_model
     # local size: no whole split weight is ever allocated, not even for a moment.
     large = sorted(size for size in allocations.sizes if size > 8 * buffers)
     assert large == sorted(_local(p).numel() * 4 for p in params if _local(p).numel() * 4 > 8 * buffers)
+
+
+def test_a_gguf_target_takes_the_whole_model_path_saying_why(target_dirs, fake_rank, capsys, monkeypatch):
+    """A GGUF target is converted to a whole model directory first (docs/real-target.md); its load stays the
+    whole-model one. (The conversion itself is stood in for: the tiny target plays the converted copy.)"""
+    from flashdraft.distributed import target_parallel
+
+    monkeypatch.setattr(target_parallel, "is_gguf_target", lambda path: True)
+    monkeypatch.setattr(target_parallel, "target_directory", lambda path: Path(path))
+    fake_rank(0)
+    load_group_target(target_dirs["qwen3"], LAYER_IDS, torch.device("cpu"), 2, dtype=torch.float32)
+    assert (
+        f"{NOTICE} and cutting it there, not only each rank's shard: a GGUF target" in capsys.readouterr().out
+    )
