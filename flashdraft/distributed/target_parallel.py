@@ -23,8 +23,10 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from flashdraft.distributed.shard_loading import ShardLoadUnsupported, load_sharded
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.target import TargetModel, default_dtype, load_target_config
+from flashdraft.model.gguf import is_gguf_target, target_directory
+from flashdraft.model.target import TargetModel, _decoder, default_dtype, load_target_config
 
 FIELD = "distributed.target_parallel"
 
@@ -64,12 +66,6 @@ def group_mesh(target_parallel: int, device: torch.device) -> DeviceMesh:
     return mesh["target"]
 
 
-def _local(style: ParallelStyle) -> ParallelStyle:
-    # Every rank loaded the same weights: each cuts its own shard, no scatter from one rank needed.
-    style.src_data_rank = None
-    return style
-
-
 def layer_plan(layer: nn.Module, index: int) -> dict[str, ParallelStyle]:
     """How decoder layer `index` is split, found by structure (attention and MLP projection names shared
     by the Llama, Qwen3 and Qwen3.5 families).
@@ -89,12 +85,12 @@ def layer_plan(layer: nn.Module, index: int) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     attention = getattr(layer, "self_attn", None)
     if attention is not None and all(hasattr(attention, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        plan.update({f"self_attn.{p}": _local(ColwiseParallel()) for p in ("q_proj", "k_proj", "v_proj")})
-        plan["self_attn.o_proj"] = _local(RowwiseParallel())
+        plan.update({f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")})
+        plan["self_attn.o_proj"] = RowwiseParallel()
     linear = getattr(layer, "linear_attn", None)
     if linear is not None and all(hasattr(linear, p) for p in ("in_proj_qkv", "in_proj_z", "out_proj")):
         for p in ("in_proj_qkv", "in_proj_z", "out_proj"):
-            plan[f"linear_attn.{p}"] = _local(ColwiseParallel(output_layouts=Replicate()))
+            plan[f"linear_attn.{p}"] = ColwiseParallel(output_layouts=Replicate())
     if not plan:
         raise FlashdraftError(
             f"{FIELD}: decoder layer {index} ({type(layer).__name__}) has no attention flashdraft knows how to "
@@ -108,8 +104,8 @@ def layer_plan(layer: nn.Module, index: int) -> dict[str, ParallelStyle]:
             f"{FIELD}: decoder layer {index} ({type(layer).__name__}) has no dense gate/up/down MLP "
             f"(a mixture of experts?), which flashdraft does not split yet; set {FIELD}=1"
         )
-    plan.update({f"mlp.{p}": _local(ColwiseParallel()) for p in ("gate_proj", "up_proj")})
-    plan["mlp.down_proj"] = _local(RowwiseParallel())
+    plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
+    plan["mlp.down_proj"] = RowwiseParallel()
     return plan
 
 
@@ -117,21 +113,27 @@ def shard_layers(layers: nn.ModuleList, mesh: DeviceMesh) -> None:
     """Split every decoder layer in place over `mesh`; the replaced whole weights are freed."""
     plans = [layer_plan(layer, i) for i, layer in enumerate(layers)]  # all checked before any is cut
     for layer, plan in zip(layers, plans, strict=True):
-        parallelize_module(layer, mesh, plan)
+        # Every rank holds the same weights (or meta tensors): each cuts its own shard, nothing is
+        # scattered from one rank. (Set here: parallelize_module overrides a style's own src_data_rank.)
+        parallelize_module(layer, mesh, plan, src_data_rank=None)
 
 
 class GroupTarget(TargetModel):
     """A target sharded over a group of ranks: `features` is a collective of the group (every member calls
     it once per micro-batch, in the same order), and returns this rank's own features."""
 
-    def __init__(self, model: nn.Module, layer_ids, mesh: DeviceMesh, name: str = "target"):
+    def __init__(
+        self, model: nn.Module, layer_ids, mesh: DeviceMesh, name: str = "target", sharded: bool = False
+    ):
+        """`model` whole (its layers are split here) or, with `sharded`, already split over `mesh`."""
         super().__init__(model, layer_ids, name=name)
         self.mesh = mesh
         self.group = mesh.get_group()
         self.group_size = mesh.size()
         self.group_rank = mesh.get_local_rank()
         check_divisible(self.config, self.group_size, name)
-        shard_layers(self.layers, mesh)
+        if not sharded:
+            shard_layers(self.layers, mesh)
 
     def _gather(self, tensor: Tensor, rows: int, length: int, fill: int) -> Tensor:
         """Every member's [b, s] tensor, padded to [rows, length] with `fill` and stacked in rank order."""
@@ -180,15 +182,38 @@ def load_group_target(
     device: torch.device,
     target_parallel: int,
     dtype: torch.dtype | None = None,
+    whole: bool = False,
 ) -> GroupTarget:
-    """Load the target straight onto this rank's device and keep only this rank's shard of its layers.
-    Every rank of the world calls it (the group meshes are made together). The whole target passes once
-    through each device while it is cut (docs/distributed.md: limits)."""
+    """The target with only this rank's shard of its layers on this rank's device. Every rank of the world
+    calls it (the group meshes are made together).
+
+    Each rank reads only its shard of the split weights from the checkpoint (`shard_loading`), so the
+    whole target never sits on one device. Where that cannot reproduce a normal load (a GGUF target,
+    renamed or converted checkpoint names, ...: docs/distributed.md) it says why in one line and falls back
+    to loading the whole target onto the device and cutting it there; `whole=True` asks for that path."""
+    why_whole = None if not is_gguf_target(path) else "a GGUF target is converted to a whole model first"
+    path = target_directory(path)  # a GGUF target: converted once, before anything else
     config = load_target_config(path)
     check_divisible(config, target_parallel, f"target {path}")  # before the (long) load
     mesh = group_mesh(target_parallel, device)
-    plain = TargetModel.load(path, layer_ids, device=device, dtype=dtype or default_dtype(device))
-    target = GroupTarget(plain.model, layer_ids, mesh, name=plain.name)
+    dtype = dtype or default_dtype(device)
+    name = f"target {path}"
+    if not whole and why_whole is None:
+        try:
+            model = load_sharded(
+                path, dtype, device, lambda m: shard_layers(_decoder(m, config.num_hidden_layers)[0], mesh)
+            )
+            return GroupTarget(model, layer_ids, mesh, name=name, sharded=True)
+        except ShardLoadUnsupported as why:
+            why_whole = str(why)
+    if why_whole is not None and mesh.get_local_rank() == 0:  # one line per group
+        print(
+            f"{name}: loading the whole target on each rank of its group and cutting it there, "
+            f"not only each rank's shard: {why_whole}",
+            flush=True,
+        )
+    plain = TargetModel.load(path, layer_ids, device=device, dtype=dtype)
+    target = GroupTarget(plain.model, layer_ids, mesh, name=name)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the whole weights replaced by shards
     return target

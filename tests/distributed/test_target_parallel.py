@@ -105,6 +105,7 @@ def test_a_two_rank_group_gives_each_rank_the_single_process_features(target_dir
         [*cmd, str(WORKER), path, str(tmp_path), "2"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "loading the whole target" not in proc.stdout  # each rank read only its shard (shard_loading)
     whole = TargetModel.load(path, LAYER_IDS, dtype=torch.float32)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
