@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,6 @@ def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "git_commit": git_commit(),
+        "git_commit": git_commit(Path(__file__).parent),  # flashdraft's commit, whatever the cwd
         "date": time.strftime("%Y-%m-%d"),
     }
