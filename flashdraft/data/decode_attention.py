@@ -17,7 +17,7 @@ boolean mask goes to transformers' own SDPA function unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -84,46 +84,37 @@ def _decode_call(
     )
 
 
-def decode_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [b, heads, q_len, d], key and value
-    [b, kv, cols, d]; returns ([b, q_len, heads, d], None). The `grouped` kernel."""
-    if not _decode_call(query, key, attention_mask, dropout, kwargs):
-        # prefill and anything unusual: exactly what the `sdpa` implementation would do
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return grouped_decode_attention(query, key, value, attention_mask, scale), None
+def _attention_function(kernel: str, name: str) -> Callable:
+    """transformers' attention-function signature around one decode kernel: query [b, heads, q_len, d],
+    key and value [b, kv, cols, d]; returns ([b, q_len, heads, d], None). Prefill and anything unusual go
+    to exactly what the `sdpa` implementation would do."""
+
+    def forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if not _decode_call(query, key, attention_mask, dropout, kwargs):
+            return ALL_ATTENTION_FUNCTIONS["sdpa"](
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        # the kernel is looked up when called, as a module-level call would be (a test watches it run)
+        return globals()[kernel](query, key, value, attention_mask, scale), None
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
 
 
-def fused_decode_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """As `decode_attention_forward`, with the `grouped-fused` kernel."""
-    if not _decode_call(query, key, attention_mask, dropout, kwargs):
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return fused_grouped_decode_attention(query, key, value, attention_mask, scale), None
-
-
+decode_attention_forward = _attention_function("grouped_decode_attention", "decode_attention_forward")
+fused_decode_attention_forward = _attention_function(
+    "fused_grouped_decode_attention", "fused_decode_attention_forward"
+)
 _FORWARDS = {"grouped": decode_attention_forward, "grouped-fused": fused_decode_attention_forward}
 
 

@@ -19,6 +19,7 @@ from flashdraft.data.engines import (
 )
 from flashdraft.data.local_regen import end_of_turn_id
 from flashdraft.errors import FlashdraftError
+from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 from .helpers import make_tokenizer
 
@@ -38,22 +39,12 @@ def prompts():
 
 
 def _plain(model, prompt, stops, max_new=NEW):
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=stops,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return plain_greedy(model, prompt, stops, max_new)
 
 
 @pytest.fixture(scope="module")
 def stops(model, prompts):
-    """A token the model really emits mid-answer, so stopping (and what follows it) is exercised."""
-    emitted = [token for p in prompts for token in _plain(model, p, [2])[2:6]]
-    return [2, max(set(emitted), key=emitted.count)]
+    return emitted_stop_ids(model, prompts, NEW)
 
 
 def _engines(model, stops):

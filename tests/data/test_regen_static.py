@@ -11,6 +11,7 @@ from flashdraft.config import Sampling
 from flashdraft.data.decode_loop import StaticEngine, unsupported_reason
 from flashdraft.data.engines import HFGenerateEngine, choose_engine, cut_at_stop, vllm_available
 from flashdraft.errors import FlashdraftError
+from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 NEW = 10
 LENGTHS = (5, 9, 3, 12, 7, 20, 1, 4, 9)
@@ -29,22 +30,12 @@ def prompts():
 
 
 def _plain(model, prompt, stops, max_new=NEW):
-    out = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=stops,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
+    return plain_greedy(model, prompt, stops, max_new)
 
 
 @pytest.fixture(scope="module")
 def stops(model, prompts):
-    """A token the model really emits mid-answer, so stopping (and what follows it) is exercised."""
-    emitted = [token for p in prompts for token in _plain(model, p, [2])[2:6]]
-    return [2, max(set(emitted), key=emitted.count)]
+    return emitted_stop_ids(model, prompts, NEW)
 
 
 @pytest.mark.parametrize("batch_size", [4, 0])  # several batches (padded last one), or all rows at once
