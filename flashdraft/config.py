@@ -97,8 +97,9 @@ class TrainConfig:
         0.0,
         "Wall-clock budget of the training loop in minutes (0: none): the step that crosses it is the last, "
         "with a final checkpoint and held-out evaluation, and the lr schedule runs over the budget "
-        "(whichever of steps and minutes is spent first). Counts step time, compile included; not the "
-        "time spent evaluating or writing checkpoints (docs/quality-benchmark.md).",
+        "(whichever of steps and minutes is spent first). Counts step time; not the steps during which "
+        "torch.compile built a graph (reported as compile_minutes), nor evaluating or writing checkpoints "
+        "(docs/quality-benchmark.md).",
     )
     batch_size: int = doc(1, "Sequences per micro-batch.")
     grad_accum: int = doc(1, "Micro-batches per optimizer step.")
