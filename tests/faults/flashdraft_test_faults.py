@@ -8,6 +8,8 @@ FLASHDRAFT_TEST_FAULT selects one fault:
     kill-after-log@N                    SIGKILL once the metrics of step N are logged
     inf-loss@N[:R]                      the loss of step N (on rank R) reads inf while its gradients stay
                                         finite: only an agreement across ranks makes every rank skip it
+    slow-start@S                        the job waits S seconds before it reports its first phase past
+                                        start-up (a launcher is still waiting for it meanwhile)
 
 Step faults wrap `flashdraft.run_protocol.Heartbeat.beat`, which the trainer calls with `step=` after
 every optimizer step and with phase "checkpointing" before each checkpoint.
@@ -87,6 +89,21 @@ def _inf_loss(step_at: int, rank_at: int | None) -> None:
     Objective.__call__ = call
 
 
+def _slow_start(seconds: float) -> None:
+    from flashdraft.run.launcher import UP_PHASES
+    from flashdraft.run_protocol import Heartbeat
+
+    beat, slept = Heartbeat.beat, []
+
+    def slow_beat(self, phase=None, force=False, **fields):
+        if phase in UP_PHASES and not slept:
+            slept.append(True)
+            time.sleep(seconds)
+        beat(self, phase, force, **fields)
+
+    Heartbeat.beat = slow_beat
+
+
 def install() -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if spec == "supervisor-dies":
@@ -97,6 +114,9 @@ def install() -> None:
     if "@" not in spec:
         return
     what, at = spec.split("@", 1)
+    if what == "slow-start":
+        _slow_start(float(at))
+        return
     at, _, only_rank = at.partition(":")
     step_at, rank_at = int(at), int(only_rank) if only_rank else None
     if what == "kill-after-log":

@@ -200,17 +200,22 @@ def test_launch_works_with_no_python_on_path(setup):
 def test_launcher_killed_by_sighup_leaves_the_run_going(setup):
     runs = setup["root"] / "runs"
     before = set(runs.iterdir()) if runs.exists() else set()
+    # the job reports "up" only 20 s after start-up: the launcher is surely still waiting when it is hung up
     launcher = subprocess.Popen(
-        [*FLASHDRAFT.split(), "launch", str(setup["config"]), "train.max_steps=60", "--runs-dir", str(runs)],
+        [
+            *FLASHDRAFT.split(), "launch", str(setup["config"]), "train.max_steps=60", "--runs-dir", str(runs),
+            *fault("slow-start@20"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     deadline = time.time() + 60
     while time.time() < deadline:
         new = [p for p in runs.iterdir() if p not in before] if runs.exists() else []
         if new and (read_json(new[0] / "status.json") or {}).get("supervisor_pid"):
             break
         time.sleep(0.2)
+    assert launcher.poll() is None, "the launcher returned before it could be hung up"
     launcher.send_signal(signal.SIGHUP)
     assert launcher.wait(timeout=30) == -signal.SIGHUP
     info = wait_for(setup, new[0].name, final)
