@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=variant_spec,
         default=[],
         metavar="SPEC",
-        help=f"train and evaluate this variant too (repeatable): a preset ({', '.join(PRESETS)}) or "
-        "NAME:key=value[,key=value] config overrides; all share the data and the budget",
+        help=f"train and evaluate this variant (repeatable; instead of one default run): a preset "
+        f"({', '.join(PRESETS)}) or NAME:key=value[,key=value] config overrides; all share the data and "
+        "the budget",
     )
     p.add_argument(
         "--variants-per-gpu",
