@@ -208,6 +208,8 @@ def test_launcher_killed_by_sighup_leaves_the_run_going(setup):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # as from a terminal: a test run under nohup would pass SIGHUP on ignored
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.time() + 60
     while time.time() < deadline:
