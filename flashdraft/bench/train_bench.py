@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.parallelize import parallelize
-from flashdraft.durable import atomic_directory, atomic_write_json
+from flashdraft.durable import atomic_directory, atomic_write_json, free_bytes
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
@@ -316,11 +317,22 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------- several GPUs (torchrun)
 
 
+SAVE_MARGIN_BYTES = 2**30  # config, tokenizer-free index and the file system's own slack
+
+
 def save_random_target(out, kind: str, num_layers: int | None = None) -> None:
     """Write a random bf16 target of `kind`'s shape to `out` (whole or not at all). Initialised on the GPU
     when there is one: the 27B's 54 GB take many minutes to initialise on the CPU, seconds on cuda:0."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_random_target(kind, device=device, dtype=torch.bfloat16, num_layers=num_layers)
+    # Refuse before writing: a 27B target is 54 GB, and a full disk mid-save is a raw safetensors error.
+    needed = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    free = free_bytes(out)
+    if free is not None and free < needed + SAVE_MARGIN_BYTES:
+        raise FlashdraftError(
+            f"bench train: the random {kind} target needs {needed / 1e9:.1f} GB in {Path(out).parent}, which "
+            f"has {free / 1e9:.1f} GB free: free space there or pass --workdir on a larger disk"
+        )
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)
     del model
@@ -338,7 +350,6 @@ def torchrun_bench(argv: list[str]) -> int:
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="flashdraft bench train --nproc-per-node N")
     parser.add_argument("--nproc-per-node", type=int, required=True)

@@ -106,8 +106,9 @@ class DataParallel:
 
 
 def resolve_data_parallel(setting: str, world_size: int) -> str:
-    """`distributed.data_parallel` for this world: 'none' for one process, 'auto' means ddp (the drafter is
-    small next to the target: a replica and its optimizer state fit beside it)."""
+    """`distributed.data_parallel` for this world: 'none' for one process, 'auto' means ddp (measured 14%
+    faster than fsdp on two H200s; the drafter's replica and optimizer state fit beside the target:
+    docs/distributed.md)."""
     if world_size == 1:
         return "none"
     return "ddp" if setting == "auto" else setting

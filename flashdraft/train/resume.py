@@ -63,6 +63,11 @@ def _grows(key: str, old: Any, new: Any) -> bool:
     return new > old
 
 
+# What a checkpoint written before a key existed ran with, where the key's default has changed since it was
+# added: train.position_weight was added with 'decay' and became 'dpace' (docs/drafters.md §5).
+ABSENT_KEY_MEANT: dict[str, Any] = {"train.position_weight": "decay"}
+
+
 def check_resume_config(
     saved: dict[str, Any],
     saved_world_size: int,
@@ -75,12 +80,12 @@ def check_resume_config(
 ) -> None:
     """Refuse to continue `source` when a trajectory-changing setting differs, listing each `key old -> new`."""
     old, new = flatten(saved), flatten(config)
-    # A checkpoint written before a setting existed ran with that setting's default behaviour: the key is
-    # absent, not changed, when this run keeps the default (e.g. train.loss=ce for a pre-loss checkpoint).
-    defaults = flatten(to_dict(Config()))
+    # A checkpoint written before a setting existed ran with that setting's behaviour of the time: today's
+    # default, or the default of then where it has changed since (ABSENT_KEY_MEANT).
+    meant = {**flatten(to_dict(Config())), **ABSENT_KEY_MEANT}
     for key in set(new) - set(old):
-        if key in defaults and new[key] == defaults[key]:
-            old[key] = new[key]
+        if key in meant:
+            old[key] = meant[key]
     changes, longer = [], []
     for key in sorted(set(old) | set(new)):
         if key in EXEMPT or key == "train.batch_size" or old.get(key) == new.get(key):

@@ -263,7 +263,11 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_when_the_setting_kee
     now = to_dict(Config())
     older = to_dict(Config())
     del older["train"]["loss"], older["train"]["position_weight"]  # written before these fields existed
+    # position_weight's default has changed since it was added: the old run weighted by 'decay'
+    with pytest.raises(FlashdraftError, match=r"train.position_weight 'decay' -> 'dpace'"):
+        check_resume_config(older, 1, now, 1, allow_changes=False, source="ckpt", log=lambda _: None)
+    now["train"]["position_weight"] = "decay"
     check_resume_config(older, 1, now, 1, allow_changes=False, source="ckpt", log=lambda _: None)
     now["train"]["loss"] = "kl"  # not the default: the old run did not train with it
-    with pytest.raises(FlashdraftError, match=r"train.loss None -> 'kl'"):
+    with pytest.raises(FlashdraftError, match=r"train.loss 'ce' -> 'kl'"):
         check_resume_config(older, 1, now, 1, allow_changes=False, source="ckpt", log=lambda _: None)

@@ -133,6 +133,8 @@ def test_training_learns_and_keeps_last_checkpoints(tmp_path, qwen3_target, trai
                 train_file,
                 out,
                 **{"train.max_steps": 40, "train.save_every": 10, "train.keep_last": 2, "train.lr": 5e-3},
+                # the threshold below is in the paper weighting's loss units (D-PACE's scale differs)
+                **{"train.position_weight": "decay"},
             ),
         )
     )
