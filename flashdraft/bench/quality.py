@@ -7,8 +7,9 @@ One command, the real paths end to end (docs/quality-benchmark.md):
 3. a drafter trained by the trainer itself for `--gpu-minutes` of training time (`train.max_minutes`), with
    a checkpoint every `--gpu-minutes / --curve-points` (`train.save_every_minutes`), each checkpoint also
    evaluated on the held-out shards (simulated τ);
-4. every curve checkpoint decoded for real on the held-out prompts by `flashdraft eval`'s function (greedy):
-   real τ beside simulated τ, acceptance by position, speedup; the last one also through z-lab's
+4. every curve checkpoint decoded for real on the held-out prompts by `flashdraft eval`'s function (greedy;
+   the target's plain decoding, the same for every checkpoint, once per variant): real τ beside simulated τ,
+   acceptance by position, speedup; the last one also through z-lab's
    `dflash_generate` when the `dflash` package is importable.
 
 The result JSON carries the command, machine and commit (flashdraft/bench/provenance.py); the curve is
@@ -362,6 +363,7 @@ def train_and_evaluate(
     shutil.rmtree(reports, ignore_errors=True)
     checkpoints = list_checkpoints(run)
     curve = []
+    plain_runs: list = []  # greedy plain decoding does not change between checkpoints: decoded once
     for i, checkpoint in enumerate(checkpoints):
         last = i == len(checkpoints) - 1
         step = int(checkpoint.name.removeprefix("step-"))
@@ -376,6 +378,7 @@ def train_and_evaluate(
             device=args.device,
             out=str(reports / f"{checkpoint.name}.json"),
             console=console,
+            plain_runs=plain_runs,
         )
         curve.append(curve_point(report, step))
     eval_s = round(time.perf_counter() - started, 1)

@@ -202,9 +202,16 @@ def run_eval(
     plot_path: str | None = None,
     console: Console | None = None,
     force: bool = False,
+    plain_runs: list[Generation] | None = None,
 ) -> dict[str, Any]:
     """Outputs, device and prompts are all checked before a model loads (docs/inputs-and-outputs.md): an
-    existing --out / --plot is overwritten only when flashdraft eval wrote it, or with `force`."""
+    existing --out / --plot is overwritten only when flashdraft eval wrote it, or with `force`.
+
+    `plain_runs`: plain decoding of these prompts by an earlier greedy call with the same target, prompts
+    and settings (`bench quality` evaluates several checkpoints of one drafter). Empty, it is filled; filled,
+    its outputs and timings stand in for plain decoding, which greedy makes identical and which no drafter
+    changes. Sampled decoding ignores it: there the plain runs draw from the generator the speculative
+    runs share."""
     console = console or Console()
     _check_settings(settings)
     inputs = {"--target": target_dir, "--drafter": drafter_dir, "--prompts": prompts}
@@ -244,11 +251,15 @@ def run_eval(
             generator=g,
         )
 
+    reuse = plain_runs is not None and settings.sampling.temperature == 0
+    reused = reuse and len(plain_runs) == len(encoded)
     run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
-    run(encoded[0], False)
+    if not reused:
+        run(encoded[0], False)
     spec, plain, divergences = [], [], []
     for i, prompt in enumerate(encoded):
-        spec_run, plain_run = run(prompt, True), run(prompt, False)
+        spec_run = run(prompt, True)
+        plain_run = plain_runs[i] if reused else run(prompt, False)
         spec.append(spec_run)
         plain.append(plain_run)
         console.print(
@@ -260,9 +271,12 @@ def run_eval(
             diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
             if diff is not None:
                 divergences.append({"prompt": i, **diff})
+    if reuse and not reused:
+        plain_runs[:] = plain
     report = acceptance_report(spec, plain, block)
     report.update(
         {
+            "plain_decoding": "reused from an earlier greedy eval of the same prompts" if reused else "run",
             "target": str(target_dir),
             "drafter": str(drafter_dir),
             "prompts_file": str(prompts),

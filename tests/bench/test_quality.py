@@ -308,6 +308,57 @@ def test_eval_prints_the_simulated_tau_of_the_checkpoint_beside_the_real_one(
     )
 
 
+def test_plain_decoding_is_run_once_across_checkpoints_when_greedy(
+    budget_run, chain_target, tmp_path, monkeypatch
+):
+    from rich.console import Console
+
+    from flashdraft.config import Sampling
+    from flashdraft.infer import evaluate
+    from flashdraft.train.checkpoint import list_checkpoints
+
+    run, _ = budget_run
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in ("one", "two"))
+    )
+    plain_calls = []
+    real_generate = evaluate.generate
+
+    def counting(target, drafter, *args, **kwargs):
+        if drafter is None:
+            plain_calls.append(1)
+        return real_generate(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "generate", counting)
+    first, last = list_checkpoints(run)[0], list_checkpoints(run)[-1]
+    console = Console(record=True, width=200)
+
+    def evaluate_at(checkpoint, plain_runs, temperature=0.0):
+        settings = evaluate.EvalSettings(
+            sampling=Sampling(max_new_tokens=12, temperature=temperature), check_lossless=temperature == 0
+        )
+        return evaluate.run_eval(
+            str(chain_target), str(checkpoint / "drafter"), str(prompts), settings, device="cpu",
+            console=console, plain_runs=plain_runs,
+        )  # fmt: skip
+
+    shared: list = []
+    a = evaluate_at(first, shared)
+    assert len(plain_calls) == 3 and len(shared) == 2 and a["plain_decoding"] == "run"  # warm-up + 2
+    b = evaluate_at(last, shared)
+    assert len(plain_calls) == 3 and b["plain_decoding"].startswith("reused")
+    assert b["baseline_tokens_per_s"] == a["baseline_tokens_per_s"]
+    fresh = evaluate_at(last, None)
+    assert len(plain_calls) == 6
+    # the reused plain outputs are the ones a fresh run decodes: the lossless check agrees
+    assert b["lossless"] == fresh["lossless"] and b["lossless"]["identical"] == 2
+    assert b["tau"] == fresh["tau"]
+    # sampled decoding shares its generator between plain and speculative runs: never reused
+    evaluate_at(last, shared, temperature=0.7)
+    assert len(plain_calls) == 9
+
+
 # --------------------------------------------------------------------------- the whole benchmark
 
 
