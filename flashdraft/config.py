@@ -123,7 +123,7 @@ class TrainConfig:
     position_weight: str = doc(
         "dpace",
         "Block-position weights: 'dpace' (D-PACE: the expected accepted positions each one unlocks, from the "
-        "drafter's own confidence; default, measured above 'decay' on the real target, docs/drafters.md §5) "
+        "drafter's own confidence; default, measured above 'decay' on the real target, docs/drafters.md §4) "
         "or 'decay' (exp(-(k-1)/gamma), the paper's).",
     )
     dpace_alpha: float = doc(0.5, "D-PACE smoothing: a position counts as accepted with (1-a)·q(label) + a.")
