@@ -199,6 +199,7 @@ def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, mas
                     "train.resume=never",
                     f"train.device={device}",
                     f"train.master_weights={str(master_weights).lower()}",
+                    "train.position_weight=decay",  # the thresholds below are in the paper weighting's units
                 ],
             )
         )
