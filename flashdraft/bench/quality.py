@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -345,9 +346,17 @@ def reused_data(work: Path) -> dict[str, Any]:
 
 
 def train_and_evaluate(
-    args: argparse.Namespace, work: Path, name: str, overrides: list[str], console: Console, zlab: bool
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    overrides: list[str],
+    console: Console,
+    zlab: bool,
+    on_progress: Callable[[dict[str, Any]], None] = lambda record: None,
 ) -> dict[str, Any]:
-    """Steps 3-4 for one variant: train within the budget, then decode every curve checkpoint for real."""
+    """Steps 3-4 for one variant: train within the budget, then decode every curve checkpoint for real.
+    `on_progress` gets the variant's record after training and after each curve point (`complete` false
+    until the last), so that a benchmark stopped midway keeps what it measured."""
     home = variant_dir(work, name)
     started = time.perf_counter()
     run = home / "run"
@@ -358,11 +367,20 @@ def train_and_evaluate(
         f"[bold]3.[/] {name}: trained {trained['steps']} steps in {trained['train_minutes']:.2f} training "
         f"minutes ({train_s} s with evaluation and checkpoints)"
     )
+    record: dict[str, Any] = {
+        "overrides": overrides,
+        "training": trained,
+        "curve": [],
+        "final": None,
+        "timings": {"train_s": train_s},
+        "complete": False,
+    }
+    on_progress(record)
     started = time.perf_counter()
     reports = home / "eval"
     shutil.rmtree(reports, ignore_errors=True)
     checkpoints = list_checkpoints(run)
-    curve = []
+    curve = record["curve"]
     plain_runs: list = []  # greedy plain decoding does not change between checkpoints: decoded once
     for i, checkpoint in enumerate(checkpoints):
         last = i == len(checkpoints) - 1
@@ -381,14 +399,13 @@ def train_and_evaluate(
             plain_runs=plain_runs,
         )
         curve.append(curve_point(report, step))
-    eval_s = round(time.perf_counter() - started, 1)
-    return {
-        "overrides": overrides,
-        "training": trained,
-        "curve": curve,
-        "final": curve[-1] if curve else None,
-        "timings": {"train_s": train_s, "eval_s": eval_s},
-    }
+        record["final"] = curve[-1]
+        if not last:
+            on_progress(record)
+    record["timings"]["eval_s"] = round(time.perf_counter() - started, 1)
+    record["complete"] = True
+    on_progress(record)
+    return record
 
 
 def curve_table(title: str, curve: list[dict[str, Any]]) -> Table:
@@ -452,12 +469,27 @@ def child_argv(args: argparse.Namespace, spec: tuple[str, list[str]], device: st
     return [*argv, "--variant", f"{name}:{','.join(overrides)}", "--device", device, "--out", str(out)]
 
 
+def child_progress(path: Path, name: str) -> dict[str, Any] | None:
+    """A variant's record from its process's result JSON, as far as it got (None: nothing yet)."""
+    try:
+        return json.loads(path.read_text())["variants"].get(name)
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def run_variants_side_by_side(
-    args: argparse.Namespace, work: Path, devices: list[str], console: Console
+    args: argparse.Namespace,
+    work: Path,
+    devices: list[str],
+    console: Console,
+    on_progress: Callable[[str, dict[str, Any]], None] = lambda name, record: None,
+    poll_seconds: float = 1.0,
 ) -> dict[str, dict[str, Any]]:
-    """One process per variant, at most one per device at a time; each writes its own result JSON and log
-    under WORK/variants/NAME/. A failed variant fails the benchmark, naming its log."""
+    """One process per variant, at most one per device at a time; each writes its own result JSON (after
+    every curve point) and log under WORK/variants/NAME/, and what they have written so far is passed on to
+    `on_progress`. A failed variant fails the benchmark, naming its log."""
     pending, running, done, failed = list(args.variant), {}, {}, []
+    seen: dict[str, int] = {}  # each child's result file, by its last modification seen
     free = list(devices)
     while pending or running:
         while pending and free:
@@ -473,8 +505,14 @@ def run_variants_side_by_side(
         finished = None
         while finished is None:
             finished = next((p for p in running if p.poll() is not None), None)
+            for spec, _, _ in running.values():
+                result = variant_dir(work, spec[0]) / "quality.json"
+                stamp = result.stat().st_mtime_ns if result.exists() else 0
+                if stamp != seen.get(spec[0], 0) and (record := child_progress(result, spec[0])):
+                    seen[spec[0]] = stamp
+                    on_progress(spec[0], record)
             if finished is None:
-                time.sleep(1.0)
+                time.sleep(poll_seconds)
         spec, device, log = running.pop(finished)
         log.close()
         free.append(device)
@@ -482,8 +520,12 @@ def run_variants_side_by_side(
         if finished.returncode != 0:
             failed.append(f"{spec[0]} (exit {finished.returncode}, log {home / 'log.txt'})")
             continue
-        child = json.loads((home / "quality.json").read_text())
-        done[spec[0]] = child["variants"][spec[0]]
+        record = child_progress(home / "quality.json", spec[0])
+        if record is None or not record.get("complete"):
+            failed.append(f"{spec[0]} (exit 0 without a complete result, log {home / 'log.txt'})")
+            continue
+        done[spec[0]] = record
+        on_progress(spec[0], record)
         console.print(f"variant {spec[0]} done: final τ {done[spec[0]]['final']['tau']:.3f}")
     if failed:
         raise FlashdraftError(f"bench quality: variant(s) failed: {'; '.join(failed)}")
@@ -501,32 +543,28 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     # 1-2. prompts and the target's own answers, once for every variant
     prepared = reused_data(work) if args.reuse_data else prepare_data(args, work, console)
 
-    # 3-4. per variant: training within the budget, real decoding of the curve's checkpoints
+    # 3-4. per variant: training within the budget, real decoding of the curve's checkpoints. The result
+    # is written after every curve point (`complete` false until the end): a benchmark stopped midway, by
+    # a time limit or a kill, leaves what it measured.
+    names = [name for name, _ in args.variant or [("default", [])]]
+    progress: dict[str, dict[str, Any]] = {}
+
+    def publish(name: str, record: dict[str, Any]) -> None:
+        progress[name] = record
+        write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False))
+
+    write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False))
     devices = variant_devices(args.device, args.variants_per_gpu)
     if len(args.variant) > 1 and len(devices) > 1:
-        variants = run_variants_side_by_side(args, work, devices, console)
+        variants = run_variants_side_by_side(args, work, devices, console, on_progress=publish)
     else:
         variants = {
-            name: train_and_evaluate(args, work, name, overrides, console, zlab)
+            name: train_and_evaluate(
+                args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
+            )
             for name, overrides in args.variant or [("default", [])]
         }
-
-    first = next(iter(variants.values()))
-    result = {
-        **provenance("quality", argv),
-        "producer": PRODUCER,
-        "target": str(args.target),
-        "settings": {**vars(args), "variant": [f"{n}:{','.join(o)}" for n, o in args.variant]},
-        "prompts": prepared["prompts"],
-        "data": prepared["data"],
-        # the first variant's run, at the top level as before variants existed
-        "training": first["training"],
-        "curve": first["curve"],
-        "final": first["final"],
-        "variants": variants,
-        "zlab_available": zlab,
-        "timings": {"data_s": prepared["data_s"], **first["timings"]},
-    }
+    result = assemble(args, argv, prepared, variants, names, zlab, complete=True)
     for name, variant in variants.items():
         console.print(
             curve_table(f"flashdraft bench quality: {name}, {args.gpu_minutes} GPU minutes", variant["curve"])
@@ -534,8 +572,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         console.print(text_curve(variant["curve"], args.block_size), highlight=False, markup=False)
     if len(variants) > 1:
         console.print(comparison_table(f"variants at {args.gpu_minutes} GPU minutes each", variants))
+    write_result(out, result)
     try:
-        atomic_write_json(out, result, indent=2)
         png = out.with_suffix(".png")
         if png.exists() and not png_written_by(png, PRODUCER):
             console.print(f"not drawing the curve: {png} exists and this benchmark did not write it")
@@ -543,9 +581,47 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             console.print(f"curve drawn to {png}")
     except OSError as exc:
         reason = disk_full_reason(exc, out.parent) or exc.strerror or str(exc)
-        raise FlashdraftError(f"--out {out}: cannot write the result: {reason}") from None
+        raise FlashdraftError(f"--out {out}: cannot draw the curve beside the result: {reason}") from None
     console.print(f"result: {out}")
     return result
+
+
+def assemble(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    prepared: dict[str, Any],
+    variants: dict[str, dict[str, Any]],
+    names: list[str],
+    zlab: bool,
+    complete: bool,
+) -> dict[str, Any]:
+    """The result JSON: provenance, data, and every variant measured so far, in the order asked for."""
+    variants = {name: variants[name] for name in names if name in variants}
+    first = next(iter(variants.values()), None) or {}
+    return {
+        **provenance("quality", argv),
+        "producer": PRODUCER,
+        "complete": complete,
+        "target": str(args.target),
+        "settings": {**vars(args), "variant": [f"{n}:{','.join(o)}" for n, o in args.variant]},
+        "prompts": prepared["prompts"],
+        "data": prepared["data"],
+        # the first variant's run, at the top level as before variants existed
+        "training": first.get("training"),
+        "curve": first.get("curve", []),
+        "final": first.get("final"),
+        "variants": variants,
+        "zlab_available": zlab,
+        "timings": {"data_s": prepared["data_s"], **first.get("timings", {})},
+    }
+
+
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    try:
+        atomic_write_json(out, result, indent=2)
+    except OSError as exc:
+        reason = disk_full_reason(exc, out.parent) or exc.strerror or str(exc)
+        raise FlashdraftError(f"--out {out}: cannot write the result: {reason}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

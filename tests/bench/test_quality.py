@@ -3,12 +3,14 @@ beside real τ in `flashdraft eval`."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
 from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.data.stdlib_prompts import split_prompts, stdlib_prompts, write_prompt_files
@@ -503,6 +505,86 @@ def test_variants_share_the_data_and_budget_and_are_compared(chain_target, tmp_p
     assert (work / "variants" / "wide" / "log.txt").read_text()
     assert result["prompts"] is None and result["data"]["train"]["samples"] > 0
     assert [p.stat().st_mtime_ns for p in journal] == stamp  # nothing regenerated
+
+
+@pytest.mark.slow
+def test_a_benchmark_stopped_midway_leaves_what_it_measured(chain_target, tmp_path, monkeypatch):
+    from flashdraft.bench import quality
+
+    out = tmp_path / "quality.json"
+    argv = [
+        "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
+        "--device", "cpu", "--prompts", "16", "--eval-prompts", "2", "--answer-tokens", "24",
+        "--gpu-minutes", "0.03", "--curve-points", "2", "--max-new-tokens", "12",
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
+        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
+    ]  # fmt: skip
+    real_eval, calls = quality.run_eval, []
+
+    def killed_at_the_second_checkpoint(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal does to the decoding loop
+        return real_eval(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "run_eval", killed_at_the_second_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        quality.run_quality(quality.build_parser().parse_args(argv), argv)
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and result["data"]["train"]["samples"] == 16
+    variant = result["variants"]["default"]
+    assert variant["complete"] is False and variant["training"]["budget_spent"]
+    assert len(variant["curve"]) == 1 and variant["final"] == variant["curve"][0] == result["final"]
+    assert 1 <= variant["curve"][0]["tau"] <= 4
+
+    # run to the end, the result is whole and says so
+    monkeypatch.setattr(quality, "run_eval", real_eval)
+    result = quality.run_quality(quality.build_parser().parse_args([*argv, "--reuse-data"]), argv)
+    assert result["complete"] is True and json.loads(out.read_text())["complete"] is True
+    assert result["variants"]["default"]["complete"] is True and len(result["curve"]) >= 2
+
+
+def test_side_by_side_variants_pass_on_each_curve_point_as_their_processes_write_it(tmp_path, monkeypatch):
+    from flashdraft.bench import quality
+
+    work = tmp_path / "work"
+    args = quality.build_parser().parse_args(
+        ["--target", "t", "--work", str(work), "--variant", "a:train.lr=1e-3", "--variant", "b:train.lr=2e-3"]
+    )
+
+    def write(name: str, points: int, complete: bool) -> None:
+        record = {"curve": [{"tau": 1.0 + p} for p in range(points)], "complete": complete}
+        record["final"] = record["curve"][-1] if points else None
+        path = quality.variant_dir(work, name) / "quality.json"
+        path.write_text(json.dumps({"variants": {name: record}}))
+
+    class Child:
+        """A variant's process: writes one curve point, then (some polls later) its whole result."""
+
+        def __init__(self, command, **kwargs):
+            self.name = command[command.index("--variant") + 1].split(":")[0]
+            self.polls = 0
+            write(self.name, 1, False)
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 3:
+                return None
+            write(self.name, 2, True)
+            self.returncode = 0
+            return 0
+
+    monkeypatch.setattr(quality.subprocess, "Popen", Child)
+    seen = []
+    variants = quality.run_variants_side_by_side(
+        args, work, ["cpu", "cpu"], Console(file=io.StringIO()),
+        on_progress=lambda name, record: seen.append((name, len(record["curve"]), record["complete"])),
+        poll_seconds=0,
+    )  # fmt: skip
+    assert sorted(variants) == ["a", "b"] and all(v["complete"] for v in variants.values())
+    for name in ("a", "b"):
+        mine = [(points, complete) for n, points, complete in seen if n == name]
+        assert mine[0] == (1, False) and mine[-1] == (2, True), seen
 
 
 def test_variant_flags_are_checked_before_any_work(chain_target, tmp_path):
