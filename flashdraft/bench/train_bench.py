@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from pathlib import Path
@@ -346,7 +347,6 @@ def torchrun_bench(argv: list[str]) -> int:
     token data of the chosen shape; reports samples/s per GPU and, for a split topology, each side's
     busy and waiting shares (the trainer's balance report)."""
     import itertools
-    import json
     import os
     import subprocess
     import sys
@@ -429,12 +429,13 @@ def torchrun_bench(argv: list[str]) -> int:
     ]
     cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     print(" ".join(map(str, cmd)), flush=True)
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        print(f"flashdraft bench train: the run failed (exit {proc.returncode})")
-        return proc.returncode
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["kind"] == "train"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
+    # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
+    rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
+    if rows is None:
+        print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
+        return code or 1
     seconds = [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup]
     step_s = statistics.median(seconds)
     samples_per_s = shape["batch"] * trainers / step_s
@@ -465,4 +466,39 @@ def torchrun_bench(argv: list[str]) -> int:
     print(json.dumps(result, indent=1))
     if args.out:
         atomic_write_json(args.out, result, indent=2)
-    return 0
+    code = proc.wait()
+    if code != 0:
+        print(f"flashdraft bench train: the run failed after its last step (exit {code}); the result stands")
+    return code
+
+
+def train_rows(metrics: Path) -> list[dict]:
+    """The `train` rows of a metrics file being written (a last line still half-written is left out)."""
+    rows = []
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return rows
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("kind") == "train":
+            rows.append(row)
+    return rows
+
+
+def last_step_rows(
+    proc, metrics: Path, steps: int, poll_seconds: float = 1.0
+) -> tuple[list[dict] | None, int]:
+    """Wait until the run has logged step `steps` (its `train` rows, and None for the exit code if it still
+    runs), or until it exits without it (None and its exit code)."""
+    while True:
+        code = proc.poll()
+        rows = train_rows(metrics)
+        if rows and rows[-1]["step"] >= steps:
+            return rows, code
+        if code is not None:
+            return None, code
+        time.sleep(poll_seconds)

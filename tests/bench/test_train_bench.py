@@ -1,5 +1,7 @@
 """`flashdraft bench train`'s random target: refused before writing when its disk cannot hold it."""
 
+import json
+
 import pytest
 import torch
 
@@ -32,3 +34,39 @@ def test_a_random_target_that_fits_is_saved_whole(tmp_path, monkeypatch):
     out = tmp_path / "target"
     train_bench.save_random_target(out, "qwen3-8b")
     assert (out / "weights.pt").is_file() and saved
+
+
+class Run:
+    """A torchrun job seen from the bench: it logs one step per poll, then exits (after `exit_after` polls)."""
+
+    def __init__(self, metrics, steps: int, exit_after: int, code: int = 0):
+        self.metrics, self.steps, self.exit_after, self.code, self.polls = metrics, steps, exit_after, code, 0
+
+    def poll(self):
+        self.polls += 1
+        if self.polls <= self.steps:
+            with self.metrics.open("a") as f:
+                f.write(json.dumps({"kind": "train", "step": self.polls, "time": float(self.polls)}) + "\n")
+                if self.polls % 2:
+                    f.write(json.dumps({"kind": "eval", "step": self.polls}) + "\n")
+        return self.code if self.polls > self.exit_after else None
+
+
+def test_the_result_is_taken_at_the_last_step_while_the_run_still_writes_its_checkpoint(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    run = Run(metrics, steps=5, exit_after=1000)  # the final checkpoint would take "forever"
+    rows, code = train_bench.last_step_rows(run, metrics, 5, poll_seconds=0)
+    assert code is None and [r["step"] for r in rows] == [1, 2, 3, 4, 5] and run.polls == 5
+
+
+def test_a_run_that_dies_before_its_last_step_gives_its_exit_code(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    rows, code = train_bench.last_step_rows(Run(metrics, steps=3, exit_after=3, code=7), metrics, 5, 0)
+    assert rows is None and code == 7
+
+
+def test_a_half_written_last_line_is_left_out(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"kind": "train", "step": 1}) + '\n{"kind": "train", "st')
+    assert train_bench.train_rows(metrics) == [{"kind": "train", "step": 1}]
+    assert train_bench.train_rows(tmp_path / "absent.jsonl") == []
