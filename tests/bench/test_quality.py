@@ -364,18 +364,31 @@ def test_plain_decoding_is_run_once_across_checkpoints_when_greedy(
 # --------------------------------------------------------------------------- the whole benchmark
 
 
+def tiny_quality_argv(
+    target,
+    work: Path,
+    out: Path,
+    prompts: int = 16,
+    eval_prompts: int = 2,
+    minutes: str = "0.03",
+    max_new: int = 12,
+) -> list[str]:
+    """`bench quality` flags for the chain target on the CPU: seconds per variant."""
+    return [
+        "--target", str(target), "--work", str(work), "--out", str(out),
+        "--device", "cpu", "--prompts", str(prompts), "--eval-prompts", str(eval_prompts), "--answer-tokens", "24",
+        "--gpu-minutes", minutes, "--curve-points", "2", "--max-new-tokens", str(max_new),
+        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
+        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau(chain_target, tmp_path):
     from flashdraft.cli import main
 
     out = tmp_path / "quality.json"
-    argv = [
-        "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
-        "--device", "cpu", "--prompts", "24", "--eval-prompts", "3", "--answer-tokens", "24",
-        "--gpu-minutes", "0.04", "--curve-points", "2", "--max-new-tokens", "16",
-        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
-        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
-    ]  # fmt: skip
+    argv = tiny_quality_argv(chain_target, tmp_path / "work", out, 24, 3, "0.04", 16)
     assert main(["bench", "quality", *argv]) == 0
     result = json.loads(out.read_text())
     assert result["producer"] == "flashdraft bench quality" and result["command"].startswith(
@@ -473,13 +486,7 @@ def test_variants_share_the_data_and_budget_and_are_compared(chain_target, tmp_p
     from flashdraft.cli import main
 
     work, out = tmp_path / "work", tmp_path / "compare.json"
-    argv = [
-        "--target", str(chain_target), "--work", str(work), "--out", str(out),
-        "--device", "cpu", "--prompts", "16", "--eval-prompts", "2", "--answer-tokens", "24",
-        "--gpu-minutes", "0.03", "--curve-points", "2", "--max-new-tokens", "12",
-        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
-        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
-    ]  # fmt: skip
+    argv = tiny_quality_argv(chain_target, work, out)
     # one device: the variants run one after the other in this process
     assert main(["bench", "quality", *argv, "--variant", "dflash-dpace", "--variant", "dflash2"]) == 0
     result = json.loads(out.read_text())
@@ -512,13 +519,7 @@ def test_a_benchmark_stopped_midway_leaves_what_it_measured(chain_target, tmp_pa
     from flashdraft.bench import quality
 
     out = tmp_path / "quality.json"
-    argv = [
-        "--target", str(chain_target), "--work", str(tmp_path / "work"), "--out", str(out),
-        "--device", "cpu", "--prompts", "16", "--eval-prompts", "2", "--answer-tokens", "24",
-        "--gpu-minutes", "0.03", "--curve-points", "2", "--max-new-tokens", "12",
-        "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
-        "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",
-    ]  # fmt: skip
+    argv = tiny_quality_argv(chain_target, tmp_path / "work", out)
     real_eval, calls = quality.run_eval, []
 
     def killed_at_the_second_checkpoint(*args, **kwargs):
