@@ -171,8 +171,9 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
         )
     model = load_for_generation(job.target, device)
     note = None
-    if job.engine == "static" and job.auto and unsupported_reason(model):
-        note = f"auto chose static, but it cannot drive this target ({unsupported_reason(model)}): ran hf"
+    reason = unsupported_reason(model) if job.engine == "static" and job.auto else None
+    if reason:
+        note = f"auto chose static, but it cannot drive this target ({reason}): ran hf"
         print(f"note: {note}", flush=True)
     if job.engine == "hf-cb":
         engine = ContinuousBatchingEngine(model, job.sampling, stops, pad)

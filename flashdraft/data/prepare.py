@@ -24,6 +24,7 @@ from flashdraft.data.generated_ids import use_generated_ids
 from flashdraft.data.local_regen import end_of_turn_id, prompt_ids
 from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
 from flashdraft.data.render import (
+    assistant_turns,
     check_renders,
     reasoning_placement,
     render_conversation,
@@ -250,7 +251,7 @@ def prepare(
                 cut_counts["dropped"] += 1
                 continue
             if cut is not None:
-                turn_index = [i for i, m in enumerate(messages) if m["role"] == "assistant"][cut]
+                turn_index = assistant_turns(messages)[cut]
                 messages = messages[: turn_index + 1]
                 token_ids += [None] * (cut + 1 - len(token_ids))
                 cut_ids.append(token_ids[cut])
@@ -274,19 +275,19 @@ def prepare(
         except FlashdraftError as exc:
             bad(exc)
             continue
+        turns = assistant_turns(messages)
         if generated and any(ids is not None for ids in generated[number]):
             rendered_turns = use_generated_ids(
                 rendered_turns,
-                [i for i, m in enumerate(messages) if m["role"] == "assistant"],
+                turns,
                 generated[number],
                 lambda i, messages=messages: prompt_ids(tokenizer, messages[:i], settings.thinking),
                 id_counts,
             )
         if cut_last and cut_last[number]:
-            last = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-1]
             ended = end_at_cut_answer(
                 rendered_turns[-1],
-                prompt_ids(tokenizer, messages[:last], settings.thinking),
+                prompt_ids(tokenizer, messages[: turns[-1]], settings.thinking),
                 cut_ids[number],
                 end_of_turn,
                 id_counts,

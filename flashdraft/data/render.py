@@ -179,11 +179,16 @@ def _mark_span(ids, offsets, mask, start_char: int, end_char: int, specials: set
             mask[i] = 1
 
 
+def assistant_turns(messages: list[dict]) -> list[int]:
+    """Indices of the assistant messages of a conversation, in order."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
 def render_conversation(tokenizer, messages: list[dict], thinking: str | None, where: str) -> list[Rendered]:
     """One or more (ids, mask) samples for a conversation; errors name `where`."""
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{where}: the target tokenizer has no chat template")
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = assistant_turns(messages)
     if not turns:
         raise FlashdraftError(f"{where}: no assistant turn to learn from")
     if messages[0]["role"] == "assistant":
