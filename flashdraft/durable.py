@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,21 +56,30 @@ def fsync_tree(root: str | Path) -> None:
         fsync_dir(dirpath)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+def atomic_write_by(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """For writers that take a path (a profiler's trace export, say): `write` writes a temporary beside
+    `path`, which is then renamed into place whole; on failure the temporary is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(path)
     try:
-        with tmp.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    def write(tmp: Path) -> None:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    return atomic_write_by(path, write)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

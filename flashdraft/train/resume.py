@@ -26,6 +26,8 @@ EXEMPT = frozenset(
         "train.resume_allow_changes",
         "train.max_bad_steps",
         "train.log_every",
+        "train.profile_steps",
+        "train.profile_start",
         "train.save_every",
         "train.save_every_minutes",
         "train.eval_every",

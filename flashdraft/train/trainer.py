@@ -92,6 +92,7 @@ from flashdraft.train.loss import WeightedHeadLoss, selector_weight
 from flashdraft.train.metrics import MetricsLogger
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer, named_optimizer_state, positional_optimizer_state
+from flashdraft.train.profiling import StepProfiler
 from flashdraft.train.resume import check_resume_config
 from flashdraft.train.window import LogWindow
 
@@ -518,8 +519,10 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             pending.append(draw_step(next_draw))
             next_draw += 1
 
+    profiler = StepProfiler(out_dir, t.profile_start, t.profile_steps, topo.rank, device)
     over_budget = False
     while step < total_steps:
+        profiler.before_step(step + 1)
         started = time.perf_counter()
         training_time.start()
         waited_before = clock.waiting if clock else 0.0
@@ -598,6 +601,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             stopping = stopping or (totals["stop"] > 0 and not over_budget)
         training_time.stop()
         last = step == total_steps or over_budget
+        if profiler.after_step(step, last=last or stopping):
+            say(f"profile of steps {profiler.first}-{step}: {profiler.report} (and a Chrome trace beside it)")
         timed = training_time.train_seconds >= next_timed_save  # a checkpoint every train.save_every_minutes
         while next_timed_save <= training_time.train_seconds:
             next_timed_save += timed_every

@@ -31,6 +31,10 @@ def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, tar
     result = json.loads(out.read_text())
     assert result["benchmark"] == "flashdraft bench regen" and result["git_commit"]
     assert result["prompts"] == 8
+    # timed as a user runs it: the CLI command in its own interpreter
+    assert (
+        " -m flashdraft prepare " in result["prepare_command"] and "--regenerate" in result["prepare_command"]
+    )
     assert result["prepare"]["new_tokens"] == result["baseline"]["new_tokens"] == 8 * 4
     assert result["prepare"]["regeneration"]["engine"] == "hf"
     assert result["prepare"]["regeneration"]["devices"] == ["cpu"]

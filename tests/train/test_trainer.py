@@ -283,3 +283,29 @@ def test_resume_with_another_precision_names_the_checkpoint(tmp_path, qwen3_targ
     allowed = {"train.max_steps": 4, "train.resume_allow_changes": "true"}
     with pytest.raises(FlashdraftError, match=r"optimizer state in .*step-00000002 does not fit this run"):
         train(load_config(None, _overrides(qwen3_target, train_file, out, **allowed)))
+
+
+def test_profile_steps_write_a_report_of_the_loops_own_steps(tmp_path, qwen3_target, train_file, capsys):
+    from flashdraft.train.trainer import train
+
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 5, "train.profile_start": 1, "train.profile_steps": 2}
+    train(load_config(None, _overrides(str(qwen3_target), train_file, out, **extra)))
+    (report,) = (out / "profile").glob("*.txt")
+    assert report.name == "rank0_steps2-3.txt"
+    text = report.read_text()
+    assert text.startswith("steps 2-3 on cpu (rank 0): ") and "ms per step wall" in text
+    assert "aten::mm" in text or "aten::addmm" in text  # the drafter's own matmuls were recorded
+    trace = json.loads((out / "profile" / "rank0_steps2-3.trace.json").read_text())
+    assert trace["traceEvents"]
+    assert "profile of steps 2-3" in capsys.readouterr().out
+    assert not [p for p in (out / "profile").iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_a_profile_cut_short_by_the_end_of_training_is_still_written(tmp_path, qwen3_target, train_file):
+    from flashdraft.train.trainer import train
+
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 3, "train.profile_start": 1, "train.profile_steps": 10}
+    train(load_config(None, _overrides(str(qwen3_target), train_file, out, **extra)))
+    assert [p.name for p in (out / "profile").glob("*.txt")] == ["rank0_steps2-3.txt"]
