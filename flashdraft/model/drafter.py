@@ -202,12 +202,18 @@ class DFlashDraftModel(nn.Module):
         return [layer.self_attn.kind for layer in self.layers]
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Qwen3-style init: normal(0, initializer_range) linears, unit norms."""
+        """Qwen3-style init: normal(0, initializer_range) linears, unit norms. A CPU generator gives the
+        same weights whether the drafter already sits on a GPU or not."""
         std = float(getattr(self.config, "initializer_range", 0.02))
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 with torch.no_grad():
-                    module.weight.normal_(0.0, std, generator=generator)
+                    if generator is not None and generator.device != module.weight.device:
+                        # drawn where the generator lives: one seed, one init, on any device
+                        drawn = torch.empty(module.weight.shape, device=generator.device)
+                        module.weight.copy_(drawn.normal_(0.0, std, generator=generator))
+                    else:
+                        module.weight.normal_(0.0, std, generator=generator)
                     if module.bias is not None:
                         module.bias.zero_()
             elif isinstance(module, RMSNorm):

@@ -3,6 +3,7 @@ phases of positions past ~1,000 visibly off, which lowers acceptance on long pro
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flashdraft.bench.tiny import tiny_config
@@ -30,3 +31,18 @@ def test_bf16_drafter_keeps_fp32_rotary_frequencies(tmp_path):
     # and what the layers use, in bf16: the fp32 phases rounded once
     cos, sin = half.rope(positions, torch.zeros(1, dtype=torch.bfloat16))
     assert torch.equal(cos, cos_full.bfloat16()) and torch.equal(sin, sin_full.bfloat16())
+
+
+@pytest.mark.gpu
+def test_a_cpu_generator_gives_the_same_init_on_the_gpu():
+    """`bench train --data` builds its drafter on the GPU and seeds it with a CPU generator, as the trainer
+    seeds one built on the CPU: both must give the same weights (it failed with a device error once)."""
+    target = tiny_config("qwen3", vocab_size=64, hidden_size=64, num_layers=4)
+    config = make_drafter_config(target, num_layers=1, block_size=4, mask_token_id=63)
+    on_cpu = DFlashDraftModel(config)
+    on_cpu.init_weights(torch.Generator().manual_seed(3))
+    with torch.device("cuda"):
+        on_gpu = DFlashDraftModel(config)
+    on_gpu.init_weights(torch.Generator().manual_seed(3))
+    for (name, a), b in zip(on_cpu.state_dict().items(), on_gpu.state_dict().values(), strict=True):
+        assert torch.equal(a, b.cpu()), name

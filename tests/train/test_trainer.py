@@ -309,3 +309,17 @@ def test_a_profile_cut_short_by_the_end_of_training_is_still_written(tmp_path, q
     extra = {"train.max_steps": 3, "train.profile_start": 1, "train.profile_steps": 10}
     train(load_config(None, _overrides(str(qwen3_target), train_file, out, **extra)))
     assert [p.name for p in (out / "profile").glob("*.txt")] == ["rank0_steps2-3.txt"]
+
+
+def test_device_busy_time_is_the_union_of_kernel_intervals():
+    from flashdraft.train.profiling import device_busy_seconds
+
+    events = [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "ts": 5, "dur": 10},  # overlaps the first: 0..15
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5},
+        {"ph": "X", "cat": "gpu_user_annotation", "ts": 0, "dur": 100},  # a range, not work
+        {"ph": "X", "cat": "cpu_op", "ts": 30, "dur": 50},
+        {"ph": "X", "cat": "kernel", "ts": 21, "dur": 2},  # inside the copy
+    ]
+    assert device_busy_seconds({"traceEvents": events}) == pytest.approx(20e-6)
