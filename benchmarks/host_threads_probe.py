@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ from flashdraft.train.blocks import blocks_for
 
 def main() -> None:
     cpu_max = "/sys/fs/cgroup/cpu.max"
-    quota = open(cpu_max).read().strip() if os.path.exists(cpu_max) else "n/a"
+    quota = Path(cpu_max).read_text().strip() if os.path.exists(cpu_max) else "n/a"
     print(
         f"os.cpu_count {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))}, "
         f"torch threads {torch.get_num_threads()}, cgroup cpu.max {quota}"
