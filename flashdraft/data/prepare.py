@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,7 +130,19 @@ def prepare(
     local = None  # --device, --engine and --workers are refused before any record is read
     if settings.regenerate and not settings.server_url:
         local = local_regeneration(target, sampling, settings)
+    # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
+    # regeneration's engine start-up and the work around it show apart from the engine's own record.
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = round(now - clock, 3)
+        clock = now
+
     tokenizer = load_target_tokenizer(target, required=True)
+    phase("tokenizer")
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
     dropped: Counter[str] = Counter()
@@ -169,6 +182,7 @@ def prepare(
             dropped["no assistant turn"] += 1
             continue
         conversations.append((conv.messages, where))
+    phase("read_and_check")
 
     sampling_record = server_requests = None
     generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
@@ -266,6 +280,7 @@ def prepare(
         sampling_record = engine_record
         if local is None:
             server_requests = asdict(engine.counts)
+        phase("regenerate")
 
     samples, supervised, total = [], 0, 0
     end_of_turn = end_of_turn_id(tokenizer, settings.thinking) if any(cut_last) else None
@@ -313,6 +328,7 @@ def prepare(
         )
         first = f"; first: {bad_records[0]}" if bad_records else ""
         raise FlashdraftError(f"prepare: no sample kept from {', '.join(inputs)} ({reasons}){first}")
+    phase("render")
     manifest = {
         **tokenizer_fingerprint(tokenizer),
         "tokenizer_name": getattr(tokenizer, "name_or_path", target),
@@ -333,11 +349,13 @@ def prepare(
         "server_requests": server_requests,
         "command": command or " ".join(sys.argv),
         "bad_records": bad_records[:100],
+        "seconds": seconds,  # the phases before the shards were written
     }
     try:
         write_shards(out_dir, samples, manifest)
     except OSError as exc:
         raise _write_failed(exc, out_dir, "writing the shards") from None
+    phase("write")
 
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")
@@ -374,5 +392,6 @@ def prepare(
         table.add_row("server requests", str(server_requests["requests"]))
         table.add_row("server requests retried", str(server_requests["retried"]))
         table.add_row("server requests failed", str(server_requests["failed"]))
+    table.add_row("seconds by phase", ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
     console.print(table)
     return manifest
