@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.target import load_target_tokenizer
 from flashdraft.outputs import check_output_dir
+from flashdraft.phases import PhaseClock
 
 
 @dataclass
@@ -132,15 +132,8 @@ def prepare(
         local = local_regeneration(target, sampling, settings)
     # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
     # regeneration's engine start-up and the work around it show apart from the engine's own record.
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        seconds[name] = round(now - clock, 3)
-        clock = now
-
+    phases = PhaseClock()
+    phase = phases.mark
     tokenizer = load_target_tokenizer(target, required=True)
     phase("tokenizer")
     if not getattr(tokenizer, "chat_template", None):
@@ -349,7 +342,7 @@ def prepare(
         "server_requests": server_requests,
         "command": command or " ".join(sys.argv),
         "bad_records": bad_records[:100],
-        "seconds": seconds,  # the phases before the shards were written
+        "seconds": dict(phases.seconds),  # the phases before the shards were written
     }
     try:
         write_shards(out_dir, samples, manifest)
@@ -392,6 +385,6 @@ def prepare(
         table.add_row("server requests", str(server_requests["requests"]))
         table.add_row("server requests retried", str(server_requests["retried"]))
         table.add_row("server requests failed", str(server_requests["failed"]))
-    table.add_row("seconds by phase", ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
+    table.add_row("time by phase", phases.summary())
     console.print(table)
     return manifest

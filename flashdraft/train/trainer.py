@@ -82,6 +82,7 @@ from flashdraft.model.drafter_dir import (
 )
 from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
+from flashdraft.phases import PhaseClock
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.budget import TrainingClock, budget_schedule_position
@@ -204,6 +205,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     t = config.train
     heartbeat = heartbeat or Heartbeat(None)
     stop = _StopRequest()
+    startup = PhaseClock()  # where the time before the first step goes, said in the "training ..." line
     # ------------------------------------------------------------------ setup
     heartbeat.beat("loading", force=True)
     # One process per GPU under torchrun; a plain single process otherwise.
@@ -247,6 +249,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
     resume_from = find_resume(t.resume, out_dir, log=say, set_aside=topo.is_main and not _serves(roles))
 
+    startup.mark("setup")
     # ------------------------------------------------------------------ target and drafter
     target_config = load_target_config(config.model.target)
     drafter = build_drafter(config, target_config)
@@ -284,6 +287,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         target.embed_weight = target.embed_weight.to(device)
         target.lm_head_weight = target.lm_head_weight.to(device)
 
+    startup.mark("target")
     # ------------------------------------------------------------------ data
     data_kwargs = {
         "max_length": config.data.max_length,
@@ -308,6 +312,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     # Packed epochs differ by a few rows: each epoch's own count (packing them costs ~1 s per 800K samples).
     per_step = t.batch_size * t.grad_accum * train_ranks
     total_steps = t.max_steps or sum(math.ceil(sampler.items(e) / per_step) for e in range(t.epochs))
+    startup.mark("data")
     if _serves(roles):
         return serve_features(
             config,
@@ -444,13 +449,16 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             "world_size": topo.world_size,
         }
 
+    startup.mark("drafter_and_optimizer")
     # ------------------------------------------------------------------ loop
     logger = MetricsLogger(out_dir, total_steps, start_step=step) if topo.is_main else None
     peak = peak_tflops(device)
     say(
         f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
         f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
-        f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps"
+        f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps; "
+        f"set up in {sum(startup.seconds.values()):.1f} s ({startup.summary()})"
+        + ("; the first steps compile" if placement.compiled else "")
     )
     window = LogWindow(spec.block_size)
     bad_in_a_row = 0

@@ -298,7 +298,10 @@ def test_profile_steps_write_a_report_of_the_loops_own_steps(tmp_path, qwen3_tar
     assert "aten::mm" in text or "aten::addmm" in text  # the drafter's own matmuls were recorded
     trace = json.loads((out / "profile" / "rank0_steps2-3.trace.json").read_text())
     assert trace["traceEvents"]
-    assert "profile of steps 2-3" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "profile of steps 2-3" in printed
+    # the start-up line says where the time before the first step went
+    assert "set up in " in printed and "target " in printed and "drafter_and_optimizer " in printed
     assert not [p for p in (out / "profile").iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
