@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             if manifest
             else local_regeneration(args.target, sampling, prepare_settings(args))["record"],
             "samples_kept": manifest["samples"] if manifest else 0,
+            # prepare's own phases (the rest of `seconds` is the interpreter's start, imports and the write)
+            "phases": manifest.get("seconds") if manifest else None,
             "engine_timing": engine_timing(manifest["regeneration"]) if manifest else [],
         },
     }

@@ -37,6 +37,8 @@ def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, tar
     )
     assert result["prepare"]["new_tokens"] == result["baseline"]["new_tokens"] == 8 * 4
     assert result["prepare"]["regeneration"]["engine"] == "hf"
+    assert set(result["prepare"]["phases"]) == {"tokenizer", "read_and_check", "regenerate", "render"}
+    assert sum(result["prepare"]["phases"].values()) < result["prepare"]["seconds"]
     assert result["prepare"]["regeneration"]["devices"] == ["cpu"]
     assert result["baseline"]["batch"] == 500
     assert result["speedup"] == pytest.approx(
