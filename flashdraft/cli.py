@@ -193,6 +193,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         engine=args.engine,
         cut_answers=args.cut_answers,
         workers=args.workers,
+        render_workers=args.render_workers or 0,
         limit=args.limit,
         chunk=args.chunk or 0,  # 0: by where regeneration runs
         skip_bad_records=args.skip_bad_records,
@@ -518,6 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"
+    )
+    p.add_argument(
+        "--render-workers",
+        type=positive_int,
+        default=None,
+        help="processes that render the samples (default: one below 20,000 conversations, else the cores)",
     )
     p.add_argument(
         "--max-retries",

@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.skip_baseline:
         from flashdraft.data.chat import normalise
-        from flashdraft.data.local_regen import prompt_ids, target_stop_ids
+        from flashdraft.data.local_regen import target_stop_ids
+        from flashdraft.data.render import prompt_ids
         from flashdraft.data.sources import iter_records
         from flashdraft.model.target import load_target_tokenizer
 

@@ -36,7 +36,7 @@ from flashdraft.data.regenerate import (
     read_journal,
     regenerate,
 )
-from flashdraft.data.render import apply_chat_template, special_ids
+from flashdraft.data.render import end_of_turn_id, prompt_ids
 from flashdraft.errors import FlashdraftError
 
 
@@ -61,34 +61,6 @@ def resolve_devices(device: str, workers: int) -> list[str]:
             raise FlashdraftError(f"--device {device}: this machine has {gpus} visible CUDA GPU(s)")
         return [device]
     raise FlashdraftError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
-
-
-def prompt_ids(tokenizer, messages: Messages, thinking: str | None) -> list[int]:
-    """The ids the target is prompted with for the next assistant turn (also what the tokenization step
-    compares its rendered prefix with before it trains on generated ids)."""
-    ids = apply_chat_template(
-        tokenizer, messages, thinking, "regeneration prompt", add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def end_of_turn_id(tokenizer, thinking: str | None) -> int | None:
-    """The special token the chat template puts right after an assistant answer, if there is one."""
-    marker = "\u2063flashdraft\u2063"
-    try:
-        text = apply_chat_template(
-            tokenizer,
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-            thinking,
-            "end-of-turn probe",
-            tokenize=False,
-        )
-    except FlashdraftError:
-        return None
-    if marker not in text:
-        return None
-    after = tokenizer(text[text.index(marker) + len(marker) :], add_special_tokens=False)["input_ids"]
-    return after[0] if after and after[0] in special_ids(tokenizer) else None
 
 
 def load_for_generation(target: str | Path, device: str):

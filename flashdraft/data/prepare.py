@@ -19,17 +19,17 @@ from rich.table import Table
 
 from flashdraft.config import Sampling
 from flashdraft.data.chat import normalise
-from flashdraft.data.cut_answers import CUT_POLICIES, end_at_cut_answer, first_cut_turn
-from flashdraft.data.generated_ids import use_generated_ids
-from flashdraft.data.local_regen import end_of_turn_id, prompt_ids
+from flashdraft.data.cut_answers import CUT_POLICIES, first_cut_turn
 from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
 from flashdraft.data.render import (
     assistant_turns,
     check_renders,
+    end_of_turn_id,
     reasoning_placement,
-    render_conversation,
     tokenizer_fingerprint,
 )
+from flashdraft.data.render_pool import Conversation as RenderConversation
+from flashdraft.data.render_pool import RenderRules, render_all, render_workers
 from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.durable import disk_full_reason
@@ -52,6 +52,7 @@ class PrepareSettings:
     engine: str = "auto"  # auto, static, hf, hf-cb, vllm
     cut_answers: str = "keep"  # keep or drop answers cut at --max-new-tokens (docs/regeneration.md)
     workers: int = 1  # CPU worker processes
+    render_workers: int = 0  # processes rendering the samples; 0: by input size (data/render_pool.py)
     max_retries: int = 5  # per server request, on 429, 5xx and broken connections
     max_failed_requests: int | None = None  # None: 1% of the server requests
     retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
@@ -276,45 +277,35 @@ def prepare(
         phase("regenerate")
 
     samples, supervised, total = [], 0, 0
-    end_of_turn = end_of_turn_id(tokenizer, settings.thinking) if any(cut_last) else None
-    for number, (messages, where) in enumerate(conversations):
-        try:
-            rendered_turns = render_conversation(tokenizer, messages, settings.thinking, where)
-        except FlashdraftError as exc:
-            bad(exc)
+    rules = RenderRules(
+        thinking=settings.thinking,
+        max_length=settings.max_length,
+        min_supervised=settings.min_supervised,
+        end_of_turn=end_of_turn_id(tokenizer, settings.thinking) if any(cut_last) else None,
+    )
+    jobs = [
+        RenderConversation(
+            messages,
+            where,
+            generated[number] if generated else None,
+            bool(cut_last) and cut_last[number],
+            cut_ids[number] if cut_last else None,
+        )
+        for number, (messages, where) in enumerate(conversations)
+    ]
+    workers = render_workers(settings.render_workers, len(jobs))
+    if workers > 1:
+        console.print(f"rendering {len(jobs)} conversations in {workers} processes")
+    for outcome in render_all(tokenizer, jobs, rules, workers):
+        if outcome.error is not None:
+            bad(FlashdraftError(outcome.error))
             continue
-        turns = assistant_turns(messages)
-        if generated and any(ids is not None for ids in generated[number]):
-            rendered_turns = use_generated_ids(
-                rendered_turns,
-                turns,
-                generated[number],
-                lambda i, messages=messages: prompt_ids(tokenizer, messages[:i], settings.thinking),
-                id_counts,
-            )
-        if cut_last and cut_last[number]:
-            ended = end_at_cut_answer(
-                rendered_turns[-1],
-                prompt_ids(tokenizer, messages[: turns[-1]], settings.thinking),
-                cut_ids[number],
-                end_of_turn,
-                id_counts,
-            )
-            if ended is None:
-                dropped["cut answer whose end cannot be located in its rendering"] += 1
-                continue
-            rendered_turns = [*rendered_turns[:-1], ended]
-        for rendered in rendered_turns:
-            n_sup = sum(rendered.loss_mask)
-            if len(rendered.input_ids) > settings.max_length:
-                dropped[f"longer than {settings.max_length} tokens"] += 1
-                continue
-            if n_sup < settings.min_supervised:
-                dropped["no supervised tokens"] += 1
-                continue
-            samples.append((rendered.input_ids, rendered.loss_mask))
-            supervised += n_sup
-            total += len(rendered.input_ids)
+        dropped.update(outcome.dropped)
+        id_counts.update(outcome.id_counts)
+        for ids, mask in outcome.samples:
+            samples.append((ids, mask))
+            supervised += sum(mask)
+            total += len(ids)
     if not samples:
         reasons = (
             ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "the inputs hold no records"

@@ -256,3 +256,31 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
         "tokenizer_sha256": hashlib.sha256(vocab + b"\0" + specials).hexdigest(),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
     }
+
+
+def prompt_ids(tokenizer, messages: list[dict], thinking: str | None) -> list[int]:
+    """The ids the target is prompted with for the next assistant turn (also what the tokenization step
+    compares its rendered prefix with before it trains on generated ids)."""
+    ids = apply_chat_template(
+        tokenizer, messages, thinking, "regeneration prompt", add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def end_of_turn_id(tokenizer, thinking: str | None) -> int | None:
+    """The special token the chat template puts right after an assistant answer, if there is one."""
+    marker = "\u2063flashdraft\u2063"
+    try:
+        text = apply_chat_template(
+            tokenizer,
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            thinking,
+            "end-of-turn probe",
+            tokenize=False,
+        )
+    except FlashdraftError:
+        return None
+    if marker not in text:
+        return None
+    after = tokenizer(text[text.index(marker) + len(marker) :], add_special_tokens=False)["input_ids"]
+    return after[0] if after and after[0] in special_ids(tokenizer) else None

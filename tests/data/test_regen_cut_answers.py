@@ -8,8 +8,9 @@ from pathlib import Path
 
 from flashdraft.cli import main
 from flashdraft.config import Sampling
-from flashdraft.data.local_regen import LocalJob, key_settings, prompt_ids
+from flashdraft.data.local_regen import LocalJob, key_settings
 from flashdraft.data.regenerate import journal_key, read_journal
+from flashdraft.data.render import prompt_ids
 from flashdraft.data.shards import open_shards
 
 from .helpers import fake_chat_server, make_tokenizer, supervised_spans
@@ -94,3 +95,30 @@ def test_the_journal_key_holds_max_new_tokens(target):
         return journal_key([{"role": "user", "content": "hi"}], 0, {"engine": key_settings(job, ["cpu"])})
 
     assert key(512) != key(1024)  # a rerun with a larger limit never reuses an answer cut at the smaller
+
+
+def test_rendering_in_worker_processes_gives_the_same_samples_and_counts(
+    tmp_path, target, monkeypatch, capsys
+):
+    """`--render-workers 2`: the conversations go to two spawned processes in chunks and come back in
+    order, so the shards and every count equal one process's; generated ids and cut answers included."""
+    from flashdraft.data import render_pool
+
+    monkeypatch.setattr(render_pool, "CHUNK", 3)  # 10 conversations: 4 chunks
+    records = [{"messages": [{"role": "user", "content": w}]} for w in ["why", "hi", "2+2", "ok", "sure"]]
+    records += CONVS * 2 + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}]
+    data = _write(tmp_path / "in.jsonl", records)
+    outcomes = {}
+    for workers in ("1", "2"):
+        out = tmp_path / f"w{workers}"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        args += ["--device", "cpu", "--max-new-tokens", "3", "--engine", "static", "--skip-bad-records"]
+        assert main([*args, "--render-workers", workers]) == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        counts = {k: manifest[k] for k in ("samples", "dropped", "generated_ids", "cut_answers", "tokens")}
+        outcomes[workers] = (_samples(out), counts, manifest["bad_records"])
+    assert "rendering 9 conversations in 2 processes" in capsys.readouterr().out
+    assert outcomes["1"] == outcomes["2"]
+    _, counts, bad = outcomes["2"]
+    assert counts["cut_answers"]["kept"] >= 5 and counts["dropped"] == {"bad record": 1}
+    assert len(bad) == 1 and "in.jsonl line 10" in bad[0]  # named as in one process

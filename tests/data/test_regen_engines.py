@@ -17,7 +17,7 @@ from flashdraft.data.engines import (
     stop_token_ids,
     vllm_available,
 )
-from flashdraft.data.local_regen import end_of_turn_id
+from flashdraft.data.render import end_of_turn_id
 from flashdraft.errors import FlashdraftError
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 

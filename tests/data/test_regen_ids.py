@@ -7,9 +7,8 @@ from collections import Counter
 
 from flashdraft.cli import main
 from flashdraft.data.generated_ids import USED, use_generated_ids
-from flashdraft.data.local_regen import prompt_ids
 from flashdraft.data.regenerate import read_journal
-from flashdraft.data.render import render_conversation
+from flashdraft.data.render import prompt_ids, render_conversation
 from flashdraft.data.shards import open_shards
 
 from .helpers import make_tokenizer
