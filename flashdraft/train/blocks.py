@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flashdraft.data.tokens import TokenBatch
+from flashdraft.data.tokens import TokenBatch, to_device
 from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
 
 
@@ -37,6 +37,9 @@ class BlockBatch:
     # Packed rows (docs/packing.md): where each block's sample starts in the row. block_positions are then
     # positions within the sample (RoPE sees each sample as if alone) while anchors stay row indices.
     doc_starts: Tensor | None = None  # [b, N]; None: every row is one sample starting at 0
+    # [R] indices into the flattened weights of the positions that carry weight (the LM-head rows),
+    # found where the blocks are built (on the host): on the GPU, nonzero() would wait for the device.
+    rows: Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -48,19 +51,20 @@ class BlockBatch:
         return self.anchors if self.doc_starts is None else self.anchors - self.doc_starts
 
     def to(self, device: torch.device) -> BlockBatch:
+        """Through pinned memory on CUDA (`to_device`): a non-blocking copy from pageable memory would
+        wait for the GPU's queued work, stalling the step at every batch."""
+        fields = (
+            "anchors",
+            "keep",
+            "block_ids",
+            "block_positions",
+            "labels",
+            "weights",
+            "doc_starts",
+            "rows",
+        )
         return BlockBatch(
-            *(
-                None if getattr(self, f) is None else getattr(self, f).to(device, non_blocking=True)
-                for f in (
-                    "anchors",
-                    "keep",
-                    "block_ids",
-                    "block_positions",
-                    "labels",
-                    "weights",
-                    "doc_starts",
-                )
-            )
+            *(None if getattr(self, f) is None else to_device(getattr(self, f), device) for f in fields)
         )
 
 
@@ -172,6 +176,7 @@ def build_blocks(
         labels=torch.where(supervised, labels, 0).view(b, -1),
         weights=weights.view(b, -1),
         doc_starts=doc_starts,
+        rows=weights.flatten().nonzero().flatten(),
     )
 
 

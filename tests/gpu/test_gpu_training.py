@@ -209,3 +209,34 @@ def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, mas
         assert last < first - 0.4, (device, first, last)
         final[device] = last
     assert final["cuda"] < 1.5 * final["cpu"] + 0.2, final  # bf16 curves differ in detail, not in kind
+
+
+def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
+    """The step's design (train/trainer.py): anchors, blocks, the LM-head rows and every count come from
+    the host batch, so launching a micro-batch's forward and backward never synchronises with the device.
+    A synchronising call (nonzero, .item(), a pageable copy) makes the host wait mid-step and leaves the
+    GPU idle while it launches the rest (docs/benchmarks.md). Checked with torch's sync debug mode."""
+    drafter, target = _pair_on_gpu(qwen3_target, block_size=4)
+    placement = parallelize(drafter, device=CUDA, attention="flex", compile=True)
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=12,
+        gamma=3.0,
+        loss=WeightedHeadLoss(chunk=64, compile=placement.compiled),
+        attention=placement.attention,
+        create_block_mask=placement.create_block_mask,
+    )
+    host_batch = token_batch([200, 130], prompt_lengths=[10, 20], seq_len=256)
+    for attempt in range(3):  # the first calls compile (which may synchronise); the last is a plain step
+        host_blocks = objective.blocks(host_batch)
+        batch, blocks = host_batch.to(CUDA), host_blocks.to(CUDA)
+        if attempt == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = objective(batch, blocks)
+            (out.loss_sum / float(objective.normalizer(host_blocks.weights))).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        drafter.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()

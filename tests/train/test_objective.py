@@ -88,6 +88,22 @@ def test_batched_objective_equals_per_block_reference(qwen3_target, sliding):
         assert torch.allclose(g_batched[name], g, atol=1e-5, rtol=1e-4), name
 
 
+def test_weighted_rows_come_with_the_blocks_and_give_the_same_loss(qwen3_target):
+    """The LM-head rows are found where the blocks are built (the host), not by nonzero() on the device,
+    which would wait for the GPU mid-step; recomputing them gives the same loss."""
+    import dataclasses
+
+    drafter, target = tiny_pair(qwen3_target, block_size=4)
+    batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
+    objective = Objective(drafter, target, num_anchors=6, gamma=GAMMA, loss=WeightedHeadLoss(chunk=7))
+    blocks = objective.blocks(batch)
+    assert torch.equal(blocks.rows, blocks.weights.flatten().nonzero().flatten())
+    assert torch.equal(blocks.to(torch.device("cpu")).rows, blocks.rows)
+    with_rows = objective(batch, blocks).loss_sum
+    without = objective(batch, dataclasses.replace(blocks, rows=None)).loss_sum
+    assert torch.equal(with_rows, without)
+
+
 def test_labels_are_same_position_not_shifted():
     ids = torch.arange(100, 120)[None]
     mask = torch.ones_like(ids)
