@@ -30,6 +30,26 @@ def test_prompts_have_one_length_and_start_at_a_line():
         assert any(("\n" + text) in ("\n" + t) for t in texts)
 
 
+def test_real_questions_ask_each_snippet_once_before_any_twice():
+    """--real's questions: every `def`/`class` snippet of the files once before any repeats (drawn with
+    replacement, 2,000 questions held only ~1,500 distinct ones), in a seeded order."""
+    train, _ = stdlib_files()
+    files = train[:3]
+    snippets = {
+        "".join(text.splitlines(keepends=True)[i : i + 12])
+        for text in read_text(files, 10**9)
+        for i, line in enumerate(text.splitlines())
+        if line.lstrip().startswith(("def ", "class "))
+    }
+    first = qs.code_questions(files, len(snippets), seed=1)
+    contents = [r["messages"][0]["content"] for r in first]
+    assert len(set(contents)) == len(snippets)  # no repeat within one pass
+    assert all(c.startswith("In one or two sentences, what does this Python code do?") for c in contents)
+    more = qs.code_questions(files, len(snippets) + 5, seed=1)
+    assert [r["messages"][0]["content"] for r in more[: len(snippets)]] == contents  # seeded
+    assert len({r["messages"][0]["content"] for r in more}) == len(snippets)  # then repeats begin
+
+
 def test_real_without_its_packages_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "_installed", lambda name: False)
     assert main(["quickstart", "--real", "--out", str(tmp_path / "q")]) == 2
