@@ -217,6 +217,7 @@ def code_questions(files: list[Path], count: int, seed: int) -> list[dict]:
             for i, line in enumerate(lines)
             if line.lstrip().startswith(("def ", "class "))
         ]
+    snippets = list(dict.fromkeys(snippets))  # identical snippets would be identical questions
     if not snippets:
         raise FlashdraftError(
             f"quickstart --real: no `def` or `class` in {len(files)} standard-library files"
