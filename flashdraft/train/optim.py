@@ -131,19 +131,15 @@ def adamw_update_all(
     masters: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    hyper: Tensor,
-    grad_multiplier: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    *settings: Tensor | float,
 ) -> None:
-    """`adamw_update` over every tensor of a parameter group (flat views). Compiled, the whole group is one
-    call: one guard check and the generated kernels' launches, where one compiled call per tensor cost
-    ~0.3 ms of host time each (18 ms a step for a 58-tensor drafter, more than its kernels: measured on
-    the H200, docs/benchmarks.md)."""
+    """`adamw_update` over every tensor of a parameter group (flat views); `settings` are its own (hyper,
+    grad_multiplier, beta1, beta2, eps, weight_decay). Compiled, the whole group is one call: one guard
+    check and the generated kernels' launches, where one compiled call per tensor cost ~0.3 ms of host
+    time each (18 ms a step for a 58-tensor drafter, more than its kernels: measured on the H200,
+    docs/benchmarks.md)."""
     for tensors in zip(params, grads, masters, exp_avgs, exp_avg_sqs, strict=True):
-        adamw_update(*tensors, hyper, grad_multiplier, beta1, beta2, eps, weight_decay)
+        adamw_update(*tensors, *settings)
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
