@@ -13,6 +13,7 @@ from flashdraft.cli import _split_config, main
     [
         ("prepare", "--batch-size", "0"),
         ("prepare", "--chunk", "0"),
+        ("prepare", "--render-workers", "0"),
         ("prepare", "--concurrency", "-3"),
         ("prepare", "--max-length", "0"),
         ("prepare", "--limit", "-1"),
