@@ -16,6 +16,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from flashdraft.data.cut_answers import end_at_cut_answer
@@ -126,6 +127,12 @@ def render_all(
         try:
             for outcomes in pool.map(_render_chunk, chunks, [rules] * len(chunks)):
                 yield from outcomes
+        except BrokenProcessPool:
+            raise FlashdraftError(
+                f"prepare: a render worker process died (of {workers}; killed, or out of memory?); no shard "
+                "was written (regenerated answers stay in the journal). Rerun with fewer --render-workers "
+                "(1 renders in this process)"
+            ) from None
         finally:  # a bad record stops the run: the chunks not yet started are not rendered
             pool.shutdown(wait=True, cancel_futures=True)
 

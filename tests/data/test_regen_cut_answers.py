@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 from flashdraft.cli import main
 from flashdraft.config import Sampling
@@ -122,3 +125,24 @@ def test_rendering_in_worker_processes_gives_the_same_samples_and_counts(
     _, counts, bad = outcomes["2"]
     assert counts["cut_answers"]["kept"] >= 5 and counts["dropped"] == {"bad record": 1}
     assert len(bad) == 1 and "in.jsonl line 10" in bad[0]  # named as in one process
+
+
+class _DiesWhenUnpickled:
+    """Unpickled in a render worker, it ends that process at once, as an out-of-memory kill would."""
+
+    def __reduce__(self):
+        return (os._exit, (3,))
+
+
+def test_a_render_worker_that_dies_is_a_clear_error_and_writes_nothing(tmp_path, target, monkeypatch):
+    from flashdraft.data import render_pool
+    from flashdraft.errors import FlashdraftError
+    from flashdraft.model.target import load_target_tokenizer
+
+    monkeypatch.setattr(render_pool, "CHUNK", 2)
+    tokenizer = load_target_tokenizer(str(target), required=True)
+    conversations = [
+        render_pool.Conversation(c["messages"], f"in.jsonl line {i}") for i, c in enumerate(CONVS * 3)
+    ]
+    with pytest.raises(FlashdraftError, match=r"a render worker process died .* --render-workers"):
+        list(render_pool.render_all(tokenizer, conversations, _DiesWhenUnpickled(), workers=2))
