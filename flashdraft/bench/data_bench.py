@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from flashdraft.durable import atomic_write_json
+from flashdraft.train.metrics import read_metrics
 
 VOCAB = 151_936  # Qwen3's
 
@@ -166,14 +167,17 @@ def time_train(shards: Path, root: Path, target: str | None, args: argparse.Name
     command = [sys.executable, "-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     _evict(shards)
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics, first_step, peak = run / "metrics.jsonl", None, 0.0
-    while process.poll() is None:
-        peak = max(peak, _peak_rss_gb(process.pid))
-        if first_step is None and metrics.is_file() and '"train"' in metrics.read_text():
-            first_step = time.perf_counter() - started
-        time.sleep(0.05)
-    output = process.stdout.read() if process.stdout else ""
+    # The child's output goes to a file: a pipe read only at the end would fill and stall a chatty run.
+    log = root / "train.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        metrics, first_step, peak = run / "metrics.jsonl", None, 0.0
+        while process.poll() is None:
+            peak = max(peak, _peak_rss_gb(process.pid))
+            if first_step is None and read_metrics(metrics, "train"):
+                first_step = time.perf_counter() - started
+            time.sleep(0.05)
+    output = log.read_text()
     if process.returncode != 0:
         raise SystemExit(
             f"flashdraft bench data: flashdraft train failed (exit {process.returncode}):\n{output[-3000:]}"

@@ -546,7 +546,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     # 3-4. per variant: training within the budget, real decoding of the curve's checkpoints. The result
     # is written after every curve point (`complete` false until the end): a benchmark stopped midway, by
     # a time limit or a kill, leaves what it measured.
-    names = [name for name, _ in args.variant or [("default", [])]]
+    asked = args.variant or [("default", [])]
+    names = [name for name, _ in asked]
     progress: dict[str, dict[str, Any]] = {}
 
     def publish(name: str, record: dict[str, Any]) -> None:
@@ -562,7 +563,7 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             name: train_and_evaluate(
                 args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
             )
-            for name, overrides in args.variant or [("default", [])]
+            for name, overrides in asked
         }
     result = assemble(args, argv, prepared, variants, names, zlab, complete=True)
     for name, variant in variants.items():

@@ -30,6 +30,7 @@ from flashdraft.config import Sampling, load_config
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
+from flashdraft.train.metrics import read_metrics
 from flashdraft.train.trainer import train
 
 MASK_TOKEN_ID = 511  # the random tiny target's last embedding row, never produced by its greedy responses
@@ -378,7 +379,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
     )
     result = train(config)
 
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "run" / "metrics.jsonl")
     train_rows = [r for r in records if r["kind"] == "train"]
     eval_rows = [r for r in records if r["kind"] == "eval"]
     table = Table(title="quickstart: what the drafter learned")

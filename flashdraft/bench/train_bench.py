@@ -35,6 +35,7 @@ from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.metrics import read_metrics
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 
@@ -472,23 +473,6 @@ def torchrun_bench(argv: list[str]) -> int:
     return code
 
 
-def train_rows(metrics: Path) -> list[dict]:
-    """The `train` rows of a metrics file being written (a last line still half-written is left out)."""
-    rows = []
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return rows
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if row.get("kind") == "train":
-            rows.append(row)
-    return rows
-
-
 def last_step_rows(
     proc, metrics: Path, steps: int, poll_seconds: float = 1.0
 ) -> tuple[list[dict] | None, int]:
@@ -496,7 +480,7 @@ def last_step_rows(
     runs), or until it exits without it (None and its exit code)."""
     while True:
         code = proc.poll()
-        rows = train_rows(metrics)
+        rows = read_metrics(metrics, "train")
         if rows and rows[-1]["step"] >= steps:
             return rows, code
         if code is not None:

@@ -134,9 +134,8 @@ def prepare(
     # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
     # regeneration's engine start-up and the work around it show apart from the engine's own record.
     phases = PhaseClock()
-    phase = phases.mark
     tokenizer = load_target_tokenizer(target, required=True)
-    phase("tokenizer")
+    phases.mark("tokenizer")
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
     dropped: Counter[str] = Counter()
@@ -176,7 +175,7 @@ def prepare(
             dropped["no assistant turn"] += 1
             continue
         conversations.append((conv.messages, where))
-    phase("read_and_check")
+    phases.mark("read_and_check")
 
     sampling_record = server_requests = None
     generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
@@ -274,7 +273,7 @@ def prepare(
         sampling_record = engine_record
         if local is None:
             server_requests = asdict(engine.counts)
-        phase("regenerate")
+        phases.mark("regenerate")
 
     samples, supervised, total = [], 0, 0
     rules = RenderRules(
@@ -312,7 +311,7 @@ def prepare(
         )
         first = f"; first: {bad_records[0]}" if bad_records else ""
         raise FlashdraftError(f"prepare: no sample kept from {', '.join(inputs)} ({reasons}){first}")
-    phase("render")
+    phases.mark("render")
     manifest = {
         **tokenizer_fingerprint(tokenizer),
         "tokenizer_name": getattr(tokenizer, "name_or_path", target),
@@ -339,7 +338,7 @@ def prepare(
         write_shards(out_dir, samples, manifest)
     except OSError as exc:
         raise _write_failed(exc, out_dir, "writing the shards") from None
-    phase("write")
+    phases.mark("write")
 
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")

@@ -106,7 +106,11 @@ def render_workers(requested: int, conversations: int) -> int:
     if conversations < POOL_FROM:
         return 1
     return max(
-        1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        1,
+        min(
+            MAX_AUTO_WORKERS,
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+        ),
     )
 
 

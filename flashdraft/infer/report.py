@@ -18,6 +18,7 @@ from typing import Any
 from flashdraft.durable import atomic_write_bytes, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.decode import Generation
+from flashdraft.train.metrics import read_metrics
 
 PRODUCER = "flashdraft eval"  # recorded in reports and plots: a rerun may overwrite what it wrote
 
@@ -71,17 +72,9 @@ def simulated_tau(drafter_dir: str | Path) -> dict[str, Any] | None:
         return None
     metrics = run / "metrics.jsonl"
     try:
-        lines = metrics.read_text().splitlines()
+        evals = [r for r in read_metrics(metrics, "eval") if isinstance(r.get("tau"), (int, float))]
     except OSError:
         return None
-    evals = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by a crash
-            continue
-        if isinstance(row, dict) and row.get("kind") == "eval" and isinstance(row.get("tau"), (int, float)):
-            evals.append(row)
     if step is None:
         finite = [r for r in evals if math.isfinite(r["tau"])]
         chosen = max(finite, key=lambda r: r["tau"]) if finite else None  # max keeps the first of ties

@@ -509,7 +509,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                         drafter.layer_kinds(),
                         blocks,
                         int(batch.lengths.sum()),
-                        int((blocks.weights > 0).sum()),
+                        len(blocks.rows),
                         target.vocab_size,
                     ).total,
                 )

@@ -7,6 +7,7 @@ import torch
 
 from flashdraft.bench import train_bench
 from flashdraft.errors import FlashdraftError
+from flashdraft.train.metrics import read_metrics
 
 
 def test_a_random_target_that_does_not_fit_the_disk_is_refused_before_writing(tmp_path, monkeypatch):
@@ -68,5 +69,5 @@ def test_a_run_that_dies_before_its_last_step_gives_its_exit_code(tmp_path):
 def test_a_half_written_last_line_is_left_out(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"kind": "train", "step": 1}) + '\n{"kind": "train", "st')
-    assert train_bench.train_rows(metrics) == [{"kind": "train", "step": 1}]
-    assert train_bench.train_rows(tmp_path / "absent.jsonl") == []
+    assert read_metrics(metrics, "train") == [{"kind": "train", "step": 1}]
+    assert read_metrics(tmp_path / "absent.jsonl", "train") == []
