@@ -178,6 +178,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from flashdraft.data.prepare import PrepareSettings, prepare
+    from flashdraft.phases import PhaseClock
 
     settings = PrepareSettings(
         max_length=args.max_length,
@@ -200,7 +201,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         force=args.force,
         sampling=sampling_from_flags(args),
     )
-    prepare(args.inputs, args.target, args.out, settings, command=args.command_line)
+    # as its own process, the clock starts at the process's creation: start-up shows among the phases
+    phases = PhaseClock(since_process_start=args.own_process)
+    prepare(args.inputs, args.target, args.out, settings, command=args.command_line, phases=phases)
     return 0
 
 
@@ -745,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()  # weight-loading bars are noise in run logs
     args.command_line = "flashdraft " + " ".join(sys.argv[1:] if argv is None else argv)
+    # from the command line this call is the whole process, so its start-up is this command's to report
+    args.own_process = argv is None
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

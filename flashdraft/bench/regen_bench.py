@@ -245,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             if manifest
             else local_regeneration(args.target, sampling, prepare_settings(args))["record"],
             "samples_kept": manifest["samples"] if manifest else 0,
-            # prepare's own phases (the rest of `seconds` is the interpreter's start, imports and the write)
+            # prepare's own phases from its process's start ("start-up": the interpreter and the imports)
             "phases": manifest.get("seconds") if manifest else None,
+            # the rest: the write (printed, not in the manifest), the summary and the interpreter's exit
+            "after_phases_s": round(prepare_s - sum(manifest["seconds"].values()), 3) if manifest else None,
             "engine_timing": engine_timing(manifest["regeneration"]) if manifest else [],
         },
     }

@@ -117,8 +117,14 @@ def prepare(
     settings: PrepareSettings,
     console: Console | None = None,
     command: str | None = None,
+    phases: PhaseClock | None = None,
 ) -> dict[str, Any]:
+    """`phases`: the clock this command's phases are booked on (the CLI starts it at the process's
+    creation, so the interpreter's start and the imports show as `start-up`); a fresh one otherwise."""
     console = console or Console()
+    # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
+    # regeneration's engine start-up and the work around it show apart from the engine's own record.
+    phases = phases or PhaseClock()
     out_dir = Path(out)
     # Everything about the output is checked before the tokenizer loads and before any regeneration.
     protected = {"--target": target, **{f"input {p}": p for p in inputs}}
@@ -131,9 +137,7 @@ def prepare(
     local = None  # --device, --engine and --workers are refused before any record is read
     if settings.regenerate and not settings.server_url:
         local = local_regeneration(target, sampling, settings)
-    # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
-    # regeneration's engine start-up and the work around it show apart from the engine's own record.
-    phases = PhaseClock()
+    phases.mark("checks")
     tokenizer = load_target_tokenizer(target, required=True)
     phases.mark("tokenizer")
     if not getattr(tokenizer, "chat_template", None):

@@ -70,7 +70,8 @@ def test_prepare_writes_shards_manifest_and_trains(tmp_path, target, capsys):
     printed = capsys.readouterr().out
     assert "samples kept" in printed and "supervised fraction" in printed
     # where the command's time went: every phase before the write in the manifest, the write too on screen
-    assert list(manifest["seconds"]) == ["tokenizer", "read_and_check", "render"]
+    # (called in-process, the command has no start-up of its own to report)
+    assert list(manifest["seconds"]) == ["checks", "tokenizer", "read_and_check", "render"]
     assert all(value >= 0 for value in manifest["seconds"].values()) and "write " in printed
 
     run = tmp_path / "run"
@@ -257,7 +258,7 @@ def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["regeneration"]["engine"] == "server" and manifest["regeneration"]["temperature"] == 0.7
     assert manifest["samples"] >= 4
-    assert list(manifest["seconds"]) == ["tokenizer", "read_and_check", "regenerate", "render"]
+    assert list(manifest["seconds"]) == ["checks", "tokenizer", "read_and_check", "regenerate", "render"]
 
 
 def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path, target, server):
