@@ -3,7 +3,8 @@
 Plain `model.generate` spends most of a decode step at batch 500 on a small target in Python and kernel
 launches (mask building, cache concatenation, logits processors), not in GPU work. This loop does the
 minimum per step (docs/regeneration.md, "The static engine"):
-- prompts sorted by length, left-padded to one width, prefilled once (in row chunks);
+- prompts sorted by length and left-padded so that all end at one column; prefilled once, in row chunks
+  each as wide as its own longest prompt (short prompts are not computed over the longest one's padding);
 - per-layer K/V buffers allocated once (`KVBuffers`), written in place at one shared column per step;
 - per-row position ids and a 4-D attention mask buffer updated in place (nothing rebuilt per step);
 - greedy argmax, or `seeded_token` (per-row counter-based noise: the answer does not depend on its batch);
@@ -59,8 +60,8 @@ class KVBuffers:
 
     The attention layers of transformers 5.17 and 5.24 call `cache.update(key, value, layer_idx, ...)` and
     attend to what it returns; nothing else of the cache is used when positions and a 4-D mask are given.
-    In a prefill (`prefill_rows` set) a row chunk's prompt keys go to columns [0, width) and the chunk
-    attends to them alone; in a decode step the one new key goes to `column` (a device tensor, so a CUDA
+    In a prefill (`prefill_rows` set) a row chunk's prompt keys go to `prefill_columns` (the chunk's own
+    width, ending where every prompt ends) and the chunk attends to them alone; in a decode step the one new key goes to `column` (a device tensor, so a CUDA
     graph replays it at the current column) and attention sees the first `visible` columns."""
 
     def __init__(self, model, rows: int, width: int, dtype: torch.dtype, device: torch.device):
@@ -73,12 +74,13 @@ class KVBuffers:
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.visible = width
         self.prefill_rows: slice | None = None
+        self.prefill_columns = slice(0, width)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.prefill_rows is not None:
-            keys[self.prefill_rows, :, : key.shape[2]] = key
-            values[self.prefill_rows, :, : value.shape[2]] = value
+            keys[self.prefill_rows, :, self.prefill_columns] = key
+            values[self.prefill_rows, :, self.prefill_columns] = value
             return key, value
         keys.index_copy_(2, self.column, key)
         values.index_copy_(2, self.column, value)
@@ -219,6 +221,10 @@ class StaticEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _padded(self, length: int) -> int:
+        """`length` rounded up to the padding multiple (tensor-core-friendly widths on a GPU)."""
+        return -(-length // self.pad_multiple) * self.pad_multiple
+
     def _visible(self, column: int, total: int) -> int:
         return min(total, -(-(column + 1) // self.bucket) * self.bucket)
 
@@ -230,33 +236,38 @@ class StaticEngine:
         self.done.zero_()
         self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
         self.cache.column.fill_(width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        diagonal = torch.eye(width, dtype=torch.bool, device=device)
-        chunk = max(1, self.prefill_tokens // width)
-        for start in range(0, rows, chunk):
+        start = 0
+        while start < rows:
+            # Each chunk is only as wide as its own longest prompt (the batch comes sorted longest first),
+            # so short prompts are not computed over the batch's widest padding; its keys go to the
+            # columns that end at `width`, where every prompt of the batch ends.
+            chunk = max(1, self.prefill_tokens // self._padded(len(prompts[start])))
             part = prompts[start : start + chunk]
-            ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
-            real = torch.zeros(len(part), width, dtype=torch.bool)
-            for row, prompt in enumerate(part):  # left padding: every prompt ends at column width - 1
-                ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-                real[row, width - len(prompt) :] = True
+            own = self._padded(max(len(prompt) for prompt in part))
+            ids = torch.full((len(part), own), self.pad_id, dtype=torch.long)
+            real = torch.zeros(len(part), own, dtype=torch.bool)
+            for row, prompt in enumerate(part):  # left padding: every prompt ends at the last column
+                ids[row, own - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+                real[row, own - len(prompt) :] = True
             ids, real = ids.to(device), real.to(device)
             lengths = real.sum(-1, keepdim=True)
-            positions = (torch.arange(width, device=device)[None, :] - (width - lengths)).clamp(min=0)
+            positions = (torch.arange(own, device=device)[None, :] - (own - lengths)).clamp(min=0)
+            causal = torch.ones(own, own, dtype=torch.bool, device=device).tril()
             # a padding query sees only itself: a query that sees nothing would give NaN states, which
             # masked-out keys and values would still carry into real rows (0 x NaN)
-            mask = (causal[None] & real[:, None, :]) | diagonal[None]
+            mask = (causal[None] & real[:, None, :]) | torch.eye(own, dtype=torch.bool, device=device)[None]
             rows_here = slice(start, start + len(part))
-            self.cache.prefill_rows = rows_here
+            self.cache.prefill_rows, self.cache.prefill_columns = rows_here, slice(width - own, width)
             try:
                 logits = self._forward(
                     input_ids=ids, position_ids=positions, attention_mask=mask[:, None], logits_to_keep=1
                 )
             finally:
                 self.cache.prefill_rows = None
-            self.mask[rows_here, 0, 0, :width] = real
+            self.mask[rows_here, 0, 0, width - own : width] = real
             self.positions[rows_here] = lengths
             self._advance(logits, rows_here)
+            start += len(part)
 
     def _decode(self, width: int, total: int) -> int:
         """Decode steps until every row has finished or `max_new_tokens`; returns the steps run."""
@@ -301,7 +312,7 @@ class StaticEngine:
         if any(not prompts[i] for i in order):
             raise FlashdraftError("--engine static: an empty prompt (the chat template rendered nothing)")
         max_new = self.sampling.max_new_tokens
-        width = -(-len(prompts[order[0]]) // self.pad_multiple) * self.pad_multiple
+        width = self._padded(len(prompts[order[0]]))
         total = width + max_new
         cap = self._rows(total)
         batches = -(-len(order) // cap)
@@ -315,7 +326,7 @@ class StaticEngine:
             batch = order[start : start + rows]
             # rows beyond the batch repeat its last prompt (their answers are dropped): the shapes stay
             filled = batch + [batch[-1]] * (rows - len(batch))
-            batch_width = -(-len(prompts[batch[0]]) // self.pad_multiple) * self.pad_multiple
+            batch_width = self._padded(len(prompts[batch[0]]))
             started = self._clock()
             self._prefill([prompts[i] for i in filled], [seeds[i] for i in filled], batch_width)
             prefilled = self._clock()
