@@ -40,11 +40,33 @@ class TinyLMSettings:
     seed: int = 0
 
 
-def stdlib_files() -> tuple[list[Path], list[Path]]:
-    """The standard library's top-level modules, split by name: every tenth file is held out (never
-    trained on); the rest are training text. Sorted, so the split is the same on every run."""
+# standard-library folders that are not library code (tests, demos, vendored installers, third parties)
+_NOT_LIBRARY = {
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+}
+
+
+def stdlib_files(packages: bool = False) -> tuple[list[Path], list[Path]]:
+    """The standard library's top-level modules (and with `packages`, its packages' modules too), split
+    by path: every tenth file is held out (never trained on); the rest are training text. Sorted, so the
+    split is the same on every run."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.is_file() and p.stat().st_size > 2000)
+    found = root.rglob("*.py") if packages else root.glob("*.py")
+    files = sorted(
+        p
+        for p in found
+        if p.is_file()
+        and p.stat().st_size > 2000
+        and not _NOT_LIBRARY.intersection(p.relative_to(root).parts[:-1])
+    )
     heldout = [p for i, p in enumerate(files) if i % 10 == 0]
     train = [p for i, p in enumerate(files) if i % 10 != 0]
     return train, heldout

@@ -216,8 +216,8 @@ def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
     the host batch, so launching a micro-batch's forward and backward never synchronises with the device.
     A synchronising call (nonzero, .item(), a pageable copy) makes the host wait mid-step and leaves the
     GPU idle while it launches the rest (docs/benchmarks.md). Checked with torch's sync debug mode."""
-    drafter, target = _pair_on_gpu(qwen3_target, block_size=4)
-    placement = parallelize(drafter, device=CUDA, attention="flex", compile=True)
+    drafter, target = _pair_on_gpu(qwen3_target, block_size=4)  # the tiny target stays fp32
+    placement = parallelize(drafter, device=CUDA, attention="flex", compile=True, dtype="fp32")
     objective = Objective(
         drafter,
         target,
