@@ -213,9 +213,13 @@ def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, mas
 
 def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
     """The step's design (train/trainer.py): anchors, blocks, the LM-head rows and every count come from
-    the host batch, so launching a micro-batch's forward and backward never synchronises with the device.
-    A synchronising call (nonzero, .item(), a pageable copy) makes the host wait mid-step and leaves the
-    GPU idle while it launches the rest (docs/benchmarks.md). Checked with torch's sync debug mode."""
+    the host batch, so launching a micro-batch's drafter forward, loss and backward never synchronises
+    with the device. A synchronising call (nonzero, .item(), a pageable copy) makes the host wait mid-step
+    and leaves the GPU idle while it launches the rest (docs/benchmarks.md). Checked with torch's sync
+    debug mode. The target's features are computed before the checked window: transformers' own mask code
+    synchronises once per eager forward without a cache (its packed-sequence check on the position ids,
+    or the padding check when a mask is given; found by this test on 5.17), which flashdraft cannot avoid
+    without giving up SDPA's causal fast path."""
     drafter, target = _pair_on_gpu(qwen3_target, block_size=4)  # the tiny target stays fp32
     placement = parallelize(drafter, device=CUDA, attention="flex", compile=True, dtype="fp32")
     objective = Objective(
@@ -231,10 +235,11 @@ def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
     for attempt in range(3):  # the first calls compile (which may synchronise); the last is a plain step
         host_blocks = objective.blocks(host_batch)
         batch, blocks = host_batch.to(CUDA), host_blocks.to(CUDA)
+        features = target.features(batch.input_ids)
         if attempt == 2:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            out = objective(batch, blocks)
+            out = objective(batch, blocks, features)
             (out.loss_sum / float(objective.normalizer(host_blocks.weights))).backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
