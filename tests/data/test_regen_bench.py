@@ -36,6 +36,14 @@ def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, tar
         " -m flashdraft prepare " in result["prepare_command"] and "--regenerate" in result["prepare_command"]
     )
     assert result["prepare"]["new_tokens"] == result["baseline"]["new_tokens"] == 8 * 4
+    # the baseline is a plain script in its own interpreter too: generate alone, and the whole process
+    baseline = result["baseline"]
+    assert " -m flashdraft.bench.plain_generate " in baseline["command"]
+    assert list(baseline["phases"]) == ["start-up", "prompts", "load", "generate"]
+    assert 0 < baseline["seconds"] <= baseline["phases"]["generate"] < baseline["process_seconds"]
+    assert result["speedup_end_to_end"] == float(
+        f"{baseline['process_seconds'] / result['prepare']['seconds']:.4g}"
+    )
     assert result["prepare"]["regeneration"]["engine"] == "hf"
     # its own process: start-up (interpreter and imports) is the first phase, and all but the exit is booked
     phases = result["prepare"]["phases"]
