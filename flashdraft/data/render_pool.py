@@ -1,12 +1,14 @@
 """`prepare`'s render phase: conversations (with any regenerated ids) into training samples, in this
-process or, for large inputs, in a pool of processes.
+process's threads or, for large inputs, in a pool of processes.
 
 Rendering is chat-template and tokenizer work on the host, about 1 ms a conversation on one core
-(docs/inputs-and-outputs.md), so 800K conversations would take about 15 minutes on one core. Each worker
-gets a pickled copy of the target's tokenizer once and imports no torch. Conversations go out in chunks
-and come back in input order, so the samples and every count are the same whatever the worker count.
-Workers are spawned rather than forked, because forking a process that has started torch's threads can
-hang.
+(docs/inputs-and-outputs.md), so 800K conversations would take about 15 minutes on one core. In this
+process, threads share the tokenizer: its Rust encoder releases the GIL, the chat template's Jinja
+rendering does not (about a third of a render), so a few threads help and more add little. Each worker
+process gets a pickled copy of the target's tokenizer once and imports no torch. Either way
+conversations go out in chunks and come back in input order, so the samples and every count are the same
+whatever the thread or worker count. Workers are spawned rather than forked, because forking a process
+that has started torch's threads can hang.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
@@ -28,6 +30,11 @@ from flashdraft.errors import FlashdraftError
 POOL_FROM = 20_000
 CHUNK = 512  # conversations per task
 MAX_AUTO_WORKERS = 16
+# In this process: threads from this many conversations on, in chunks of THREAD_CHUNK, at most MAX_THREADS
+# (the GIL-bound third of a render bounds the gain: 1.5x with 2 threads on 2 cores, docs/regeneration.md)
+THREADS_FROM = 256
+THREAD_CHUNK = 64
+MAX_THREADS = 8
 
 
 @dataclass
@@ -99,29 +106,28 @@ def render_one(tokenizer, conversation: Conversation, rules: RenderRules) -> Out
     return outcome
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def render_workers(requested: int, conversations: int) -> int:
     """`requested` when set (>= 1); else (0) one process below POOL_FROM conversations, else the cores."""
     if requested:
         return requested
     if conversations < POOL_FROM:
         return 1
-    return max(
-        1,
-        min(
-            MAX_AUTO_WORKERS,
-            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-        ),
-    )
+    return max(1, min(MAX_AUTO_WORKERS, _cores()))
 
 
 def render_all(
     tokenizer, conversations: list[Conversation], rules: RenderRules, workers: int
 ) -> Iterator[Outcome]:
     """Each conversation's outcome, in input order; `workers` > 1 renders in that many processes, each
-    with a copy of `tokenizer` (pickled: the very same tokenizer, and the workers import no torch)."""
+    with a copy of `tokenizer` (pickled: the very same tokenizer, and the workers import no torch);
+    otherwise this process renders, in threads from THREADS_FROM conversations on."""
     if workers <= 1 or len(conversations) <= CHUNK:
-        for conversation in conversations:
-            yield render_one(tokenizer, conversation, rules)
+        threads = min(MAX_THREADS, _cores()) if len(conversations) >= THREADS_FROM else 1
+        yield from _render_in_threads(tokenizer, conversations, rules, threads)
         return
     chunks = [conversations[i : i + CHUNK] for i in range(0, len(conversations), CHUNK)]
     context = multiprocessing.get_context("spawn")
@@ -151,3 +157,23 @@ def _receive(tokenizer) -> None:
 
 def _render_chunk(chunk: list[Conversation], rules: RenderRules) -> list[Outcome]:
     return [render_one(_worker_tokenizer, conversation, rules) for conversation in chunk]
+
+
+def _render_in_threads(
+    tokenizer, conversations: list[Conversation], rules: RenderRules, threads: int
+) -> Iterator[Outcome]:
+    """In this process, in input order. The first conversation renders alone: a fast tokenizer settles its
+    truncation and padding state on its first call (a write), after which the threads only read it."""
+    if threads <= 1 or len(conversations) <= 1:
+        for conversation in conversations:
+            yield render_one(tokenizer, conversation, rules)
+        return
+    yield render_one(tokenizer, conversations[0], rules)
+    rest = conversations[1:]
+    chunks = [rest[i : i + THREAD_CHUNK] for i in range(0, len(rest), THREAD_CHUNK)]
+    with ThreadPoolExecutor(threads, thread_name_prefix="render") as pool:
+        try:
+            for outcomes in pool.map(lambda chunk: [render_one(tokenizer, c, rules) for c in chunk], chunks):
+                yield from outcomes
+        finally:  # a bad record stops the run: the chunks not yet started are not rendered
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -127,6 +127,37 @@ def test_rendering_in_worker_processes_gives_the_same_samples_and_counts(
     assert len(bad) == 1 and "in.jsonl line 10" in bad[0]  # named as in one process
 
 
+def test_rendering_in_threads_gives_the_same_samples_and_counts(tmp_path, target, monkeypatch):
+    """In one process, from THREADS_FROM conversations on, threads share the tokenizer: chunks come back in
+    input order, so the shards, every count and the bad record's name equal a single thread's."""
+    from flashdraft.data import render_pool
+
+    records = [{"messages": [{"role": "user", "content": w}]} for w in ["why", "hi", "2+2", "ok", "sure"]]
+    records += CONVS * 2 + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}]
+    data = _write(tmp_path / "in.jsonl", records)
+    monkeypatch.setattr(render_pool, "_cores", lambda: 4)
+    monkeypatch.setattr(render_pool, "THREAD_CHUNK", 2)  # 9 conversations: the first alone, then 4 chunks
+    used = []
+    original = render_pool._render_in_threads
+    monkeypatch.setattr(
+        render_pool,
+        "_render_in_threads",
+        lambda tok, conv, rules, threads: used.append(threads) or original(tok, conv, rules, threads),
+    )
+    outcomes = {}
+    for label, threads_from in (("one thread", 10**9), ("threads", 2)):
+        monkeypatch.setattr(render_pool, "THREADS_FROM", threads_from)
+        out = tmp_path / label.replace(" ", "_")
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        assert main([*args, "--device", "cpu", "--max-new-tokens", "3", "--skip-bad-records"]) == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        counts = {k: manifest[k] for k in ("samples", "dropped", "generated_ids", "cut_answers", "tokens")}
+        outcomes[label] = (_samples(out), counts, manifest["bad_records"])
+    assert used == [1, 4]
+    assert outcomes["one thread"] == outcomes["threads"]
+    assert len(outcomes["threads"][2]) == 1 and "in.jsonl line 10" in outcomes["threads"][2][0]
+
+
 class _DiesWhenUnpickled:
     """Unpickled in a render worker, it ends that process at once, as an out-of-memory kill would."""
 
