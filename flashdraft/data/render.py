@@ -206,8 +206,12 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
         before = _render_text(
             tokenizer, messages[:i], add_generation_prompt=True, thinking=thinking, where=where
         )
-        through = _render_text(
-            tokenizer, messages[: i + 1], add_generation_prompt=False, thinking=thinking, where=where
+        through = (  # the last turn's is the whole conversation's, rendered above
+            full_text
+            if i == turns[-1]
+            else _render_text(
+                tokenizer, messages[: i + 1], add_generation_prompt=False, thinking=thinking, where=where
+            )
         )
         if not through.startswith(before):
             raise FlashdraftError(

@@ -75,19 +75,20 @@ def render_one(tokenizer, conversation: Conversation, rules: RenderRules) -> Out
         outcome.error = str(exc)
         return outcome
     turns = assistant_turns(messages)
+    prompts: dict[int, list[int]] = {}  # a turn's prompt ids, asked for by both steps below
+
+    def prompt_of(turn_index: int) -> list[int]:
+        if turn_index not in prompts:
+            prompts[turn_index] = prompt_ids(tokenizer, messages[:turn_index], rules.thinking)
+        return prompts[turn_index]
+
     generated = conversation.generated
     if generated and any(ids is not None for ids in generated):
-        rendered_turns = use_generated_ids(
-            rendered_turns,
-            turns,
-            generated,
-            lambda i: prompt_ids(tokenizer, messages[:i], rules.thinking),
-            outcome.id_counts,
-        )
+        rendered_turns = use_generated_ids(rendered_turns, turns, generated, prompt_of, outcome.id_counts)
     if conversation.cut_last:
         ended = end_at_cut_answer(
             rendered_turns[-1],
-            prompt_ids(tokenizer, messages[: turns[-1]], rules.thinking),
+            prompt_of(turns[-1]),
             conversation.cut_ids,
             rules.end_of_turn,
             outcome.id_counts,
