@@ -31,7 +31,8 @@ POOL_FROM = 20_000
 CHUNK = 512  # conversations per task
 MAX_AUTO_WORKERS = 16
 # In this process: threads from this many conversations on, in chunks of THREAD_CHUNK, at most MAX_THREADS
-# (the GIL-bound third of a render bounds the gain: 1.5x with 2 threads on 2 cores, docs/regeneration.md)
+# (the GIL-bound third of a render bounds the gain: 1.6-1.8x with 2 threads on 2 cores,
+# docs/inputs-and-outputs.md)
 THREADS_FROM = 256
 THREAD_CHUNK = 64
 MAX_THREADS = 8
