@@ -144,6 +144,7 @@ def prepare_settings(args: argparse.Namespace) -> PrepareSettings:
 def engine_timing(regeneration: dict) -> list[dict]:
     """Each static-engine worker's record of where its time went (empty for other engines)."""
     keys = ("rows", "batches", "decode_steps", "decode_s", "decode_ms_per_step", "prefill_s", "capture_s")
+    keys += ("prefill_chunks",)
     details = regeneration.get("engine_details") or []
     return [{key: detail.get(key) for key in keys} for detail in details if "decode_steps" in detail]
 

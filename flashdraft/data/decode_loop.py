@@ -134,6 +134,8 @@ class StaticEngine:
         self.attention_used = "not run yet"
         # totals over every generate_ids call: the manifest's record of where the time went
         self.timing = {"batches": 0, "decode_steps": 0, "prefill_s": 0.0, "capture_s": 0.0, "decode_s": 0.0}
+        # the first batch's prefill, chunk by chunk: [rows, width, seconds] (where a slow prefill goes)
+        self.prefill_chunks: list[list] = []
 
     # -- buffers of one generate_ids call -------------------------------------------------------------
     def _allocate(self, rows: int, total: int) -> None:
@@ -236,8 +238,10 @@ class StaticEngine:
         self.done.zero_()
         self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
         self.cache.column.fill_(width)
+        record = not self.prefill_chunks  # the first batch only: the record stays short
         start = 0
         while start < rows:
+            started = self._clock() if record else 0.0
             # Each chunk is only as wide as its own longest prompt (the batch comes sorted longest first),
             # so short prompts are not computed over the batch's widest padding; its keys go to the
             # columns that end at `width`, where every prompt of the batch ends.
@@ -268,6 +272,8 @@ class StaticEngine:
             self.positions[rows_here] = lengths
             self._advance(logits, rows_here)
             start += len(part)
+            if record:
+                self.prefill_chunks.append([len(part), own, round(self._clock() - started, 4)])
 
     def _decode(self, width: int, total: int) -> int:
         """Decode steps until every row has finished or `max_new_tokens`; returns the steps run."""
@@ -389,6 +395,7 @@ class StaticEngine:
             if t["decode_steps"]
             else None,
             "prefill_s": round(t["prefill_s"], 4),
+            "prefill_chunks": self.prefill_chunks,
             "capture_s": round(t["capture_s"], 4),
         }
 

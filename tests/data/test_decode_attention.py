@@ -183,5 +183,5 @@ def test_bench_regen_step_time_reports_each_attention_and_refuses_a_bad_size(tmp
     regeneration = {"engine_details": [{"engine": "hf"}, {"engine": "static", "rows": 4, "decode_steps": 9}]}
     assert engine_timing(regeneration) == [
         {"rows": 4, "batches": None, "decode_steps": 9, "decode_s": None, "decode_ms_per_step": None}
-        | {"prefill_s": None, "capture_s": None}
+        | {"prefill_s": None, "capture_s": None, "prefill_chunks": None}
     ]

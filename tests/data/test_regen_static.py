@@ -50,10 +50,12 @@ def test_greedy_output_equals_plain_generate_token_for_token(model, prompts, sto
 # prompts of 20, 12, 9, 9, 7, 5, 4, 3, 1 tokens in chunks of at most 25 (padded) tokens; 8: widths
 # rounded up to 8, as on a GPU (to 64 there)
 @pytest.mark.parametrize(
-    "pad_multiple, prefills", [(1, [20, 12, 9, 5]), (8, [24, 16, 16, 16, 8, 8])], ids=["unpadded", "padded"]
+    "pad_multiple, prefills, rows",
+    [(1, [20, 12, 9, 5], [1, 2, 2, 4]), (8, [24, 16, 16, 16, 8, 8], [1, 1, 1, 1, 3, 2])],
+    ids=["unpadded", "padded"],
 )
 def test_prefill_in_row_chunks_of_their_own_width_gives_the_same_answers(
-    model, prompts, stops, pad_multiple, prefills
+    model, prompts, stops, pad_multiple, prefills, rows
 ):
     whole = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0).generate_ids(prompts, [0] * 9)
     # 25 tokens a chunk: the longest prompt (20) alone, then chunks as wide as their own longest prompt,
@@ -65,6 +67,10 @@ def test_prefill_in_row_chunks_of_their_own_width_gives_the_same_answers(
     chunked._forward = lambda **kwargs: widths.append(kwargs["input_ids"].shape[1]) or forward(**kwargs)
     assert chunked.generate_ids(prompts, [0] * 9) == whole
     assert widths[: len(prefills)] == prefills and set(widths[len(prefills) :]) == {1}
+    # the engine's record of the prefill, chunk by chunk: rows, width, seconds
+    chunks = chunked.timing_record()["prefill_chunks"]
+    assert [c[:2] for c in chunks] == [list(pair) for pair in zip(rows, prefills, strict=True)]
+    assert all(c[2] >= 0 for c in chunks)
 
 
 def test_sampled_answers_equal_the_hf_engines_whatever_the_batch(model, prompts, stops):
