@@ -12,7 +12,9 @@ grouped query ([b, kv, groups, d], the groups as query rows) to PyTorch's fused
 `scaled_dot_product_attention`. Both read K and V once; which is faster depends on the device and is
 measured by `flashdraft bench regen --step-time`. `use_decode_attention(model, kernel)` switches a model
 to one for a block and restores every config after. Anything but a plain 1-token query with a broadcast
-boolean mask goes to transformers' own SDPA function unchanged.
+boolean mask goes to transformers' own SDPA function unchanged. A `row_groups` keyword (passed through
+the model's forward by the static engine) has each group of rows read only its own columns
+(`by_row_groups`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def fused_grouped_decode_attention(
     return out.reshape(rows, 1, heads, value.shape[-1])
 
 
+def by_row_groups(
+    attend: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    groups: tuple[tuple[int, int, int], ...],
+) -> torch.Tensor:
+    """`attend` per row group (rows [r0, r1) read columns [c0, cols) only), the groups' outputs stacked.
+
+    The static engine left-pads every prompt to the batch's longest, so a short prompt's row holds masked
+    padding columns that every decode step would read again. With rows sorted longest first, a group's
+    columns before c0 are padding for all of its rows: they add exact zeros to the softmax's sums and
+    to `probs @ V`, so leaving them out reads less and computes the same attention."""
+    parts = [
+        attend(query[r0:r1], key[r0:r1, :, c0:], value[r0:r1, :, c0:], mask[r0:r1, :, :, c0:], scaling)
+        for r0, r1, c0 in groups
+    ]
+    return torch.cat(parts, dim=0)
+
+
 def _decode_call(
     query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float, kwargs: dict
 ) -> bool:
@@ -99,13 +123,17 @@ def _attention_function(kernel: str, name: str) -> Callable:
         scaling: float | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        groups = kwargs.pop("row_groups", None)
         if not _decode_call(query, key, attention_mask, dropout, kwargs):
             return ALL_ATTENTION_FUNCTIONS["sdpa"](
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         # the kernel is looked up when called, as a module-level call would be (a test watches it run)
-        return globals()[kernel](query, key, value, attention_mask, scale), None
+        attend = globals()[kernel]
+        if not groups:
+            return attend(query, key, value, attention_mask, scale), None
+        return by_row_groups(attend, query, key, value, attention_mask, scale, groups), None
 
     forward.__name__ = forward.__qualname__ = name
     return forward

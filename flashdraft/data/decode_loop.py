@@ -12,7 +12,9 @@ minimum per step (docs/regeneration.md, "The static engine"):
 - on a GPU each decode step is captured once in a CUDA graph per attended-width bucket and replayed
   (no torch.compile); a failed capture falls back to eager steps and `describe()` says so;
 - the 1-token decode attention reads each cached K and V once (`decode_attention.py`): the model is
-  switched to it for the call and switched back after;
+  switched to it for the call and switched back after; with one batch, its rows (sorted longest prompt
+  first) go in up to `row_groups` groups, each reading only the columns from its longest prompt's start
+  (the rest is left padding, masked for all of them);
 - `describe()` reports where the time went: prefill, capture and decode seconds, decode steps, rows.
 """
 
@@ -108,6 +110,7 @@ class StaticEngine:
         check_every: int = 16,
         prefill_tokens: int = 0,
         attention: str = "grouped",
+        row_groups: int = 4,
     ):
         if attention not in (*KERNELS, "model"):
             raise FlashdraftError(
@@ -132,6 +135,11 @@ class StaticEngine:
         self.last_rows = 0
         self.attention = attention  # a kernel of decode_attention.KERNELS, or "model": its own attention
         self.attention_used = "not run yet"
+        # decode attention by row groups of similar prompt length, each reading only its own columns
+        # (decode_attention.by_row_groups); `groups` holds the current batch's (first row, end, column)
+        self.row_groups = row_groups
+        self.groups: tuple[tuple[int, int, int], ...] | None = None
+        self._switched = False  # whether the model runs on our decode attention (set by generate_ids)
         # totals over every generate_ids call: the manifest's record of where the time went
         self.timing = {"batches": 0, "decode_steps": 0, "prefill_s": 0.0, "capture_s": 0.0, "decode_s": 0.0}
         # the first batch's prefill, chunk by chunk: [rows, width, seconds] (where a slow prefill goes)
@@ -174,8 +182,12 @@ class StaticEngine:
         """One decode step for every row: the same kernels every time (this is what a CUDA graph holds)."""
         self.cache.visible = visible
         self.mask.index_fill_(3, self.cache.column, True)
+        groups = {"row_groups": self.groups} if self.groups else {}
         logits = self._forward(
-            input_ids=self.tokens, position_ids=self.positions, attention_mask=self.mask[..., :visible]
+            input_ids=self.tokens,
+            position_ids=self.positions,
+            attention_mask=self.mask[..., :visible],
+            **groups,
         )
         self._advance(logits, slice(None))
         self.cache.column += 1
@@ -226,6 +238,24 @@ class StaticEngine:
     def _padded(self, length: int) -> int:
         """`length` rounded up to the padding multiple (tensor-core-friendly widths on a GPU)."""
         return -(-length // self.pad_multiple) * self.pad_multiple
+
+    def _column_groups(self, lengths: list[int], width: int) -> tuple[tuple[int, int, int], ...] | None:
+        """Up to `row_groups` groups of consecutive rows of one batch (lengths sorted longest first, every
+        prompt ending at column `width`), each with the first column any of its rows needs (its longest
+        prompt's start, rounded down to the padding multiple); None when no group could skip a column."""
+        rows = len(lengths)
+        count = max(1, min(self.row_groups, rows))
+        groups: list[tuple[int, int, int]] = []
+        for g in range(count):
+            r0, r1 = g * rows // count, (g + 1) * rows // count
+            if r0 == r1:
+                continue
+            first = width - self._padded(lengths[r0])
+            if groups and groups[-1][2] == first:  # the same columns: one group
+                groups[-1] = (groups[-1][0], r1, first)
+            else:
+                groups.append((r0, r1, first))
+        return tuple(groups) if any(c0 > 0 for _, _, c0 in groups) else None
 
     def _visible(self, column: int, total: int) -> int:
         return min(total, -(-(column + 1) // self.bucket) * self.bucket)
@@ -294,6 +324,7 @@ class StaticEngine:
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         with self._attention() as switched:
+            self._switched = switched
             if switched:
                 self.attention_used = f"{self.attention} (K and V read once per step)"
             elif self.attention != "model":
@@ -325,6 +356,13 @@ class StaticEngine:
         rows = -(-len(order) // batches)  # even batches: 1000 + 1000, not 1024 + 976
         self.last_rows = rows
         self._allocate(rows, total)
+        # Row groups need the batch's prompt lengths when the steps are captured: with one batch (the
+        # usual case on a GPU, where the rows come from free memory) they are known before the capture.
+        self.groups = (
+            self._column_groups([len(prompts[i]) for i in order], width)
+            if batches == 1 and self._switched
+            else None
+        )
         timing, started = self.timing, self._clock()
         self._capture_all(total)
         timing["capture_s"] += self._clock() - started
@@ -408,6 +446,8 @@ class StaticEngine:
             "cuda_graphs": graphs,
             "kv_bucket": self.bucket,
             "decode_attention": self.attention_used,
+            # the last batch's row groups: [first row, end row, first column read], or none
+            "row_groups": [list(group) for group in self.groups] if self.groups else None,
             **self.timing_record(),
         }
         if self.cuda_graphs and self.graph_failure:

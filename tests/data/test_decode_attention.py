@@ -47,6 +47,26 @@ def test_decode_attention_equals_transformers_sdpa_on_random_masked_inputs(kerne
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+def test_row_groups_read_only_their_columns_and_give_the_same_attention(kernel, monkeypatch):
+    """Rows sorted longest prompt first, left-padded: a group's columns before its longest prompt's start
+    are masked for all its rows, so reading from there gives the attention over the whole width."""
+    module, query, key, value, mask = _inputs(rows=7, heads=9, kv_heads=3, cols=40)
+    starts = [0, 0, 6, 6, 12, 20, 31]  # each row's first real column (its left padding before it)
+    for row, start in enumerate(starts):
+        mask[row, ..., :start] = False
+    whole, _ = FORWARDS[kernel](module, query, key, value, mask, scaling=0.3)
+    name = {"grouped": "grouped_decode_attention", "grouped-fused": "fused_grouped_decode_attention"}[kernel]
+    real, widths = getattr(decode_attention, name), []
+    monkeypatch.setattr(
+        decode_attention, name, lambda q, k, *a: widths.append((q.shape[0], k.shape[2])) or real(q, k, *a)
+    )
+    groups = ((0, 2, 0), (2, 4, 6), (4, 7, 12))
+    grouped, _ = FORWARDS[kernel](module, query, key, value, mask, scaling=0.3, row_groups=groups)
+    assert widths == [(2, 40), (2, 34), (3, 28)]  # each group's rows, from its own first column
+    torch.testing.assert_close(grouped, whole, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 def test_a_longer_query_goes_to_sdpa_untouched(kernel, monkeypatch):
     """Prefill (and any call that is not a 1-token query with a broadcast bool mask) is SDPA's own."""
     module, query, key, value, mask = _inputs(rows=3, heads=4, kv_heads=2, cols=11, q_len=11)

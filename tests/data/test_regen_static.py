@@ -38,6 +38,23 @@ def stops(model, prompts):
     return emitted_stop_ids(model, prompts, NEW)
 
 
+def test_one_batch_decodes_by_row_groups_with_the_same_answers(model, prompts, stops):
+    """One batch: the rows, sorted longest prompt first, go in up to 4 groups that each read the columns
+    from their longest prompt's start; the answers equal one group reading every column."""
+    expected = [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]
+    grouped = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, bucket=4)
+    assert grouped.generate_ids(prompts, [0] * len(prompts)) == expected
+    # lengths sorted 20, 12, 9, 9, 7, 5, 4, 3, 1 (width 20), in 4 groups of rows [0, 2), [2, 4), [4, 6), [6, 9)
+    assert grouped.describe()["row_groups"] == [[0, 2, 0], [2, 4, 11], [4, 6, 13], [6, 9, 16]]
+    whole = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, bucket=4, row_groups=1)
+    assert whole.generate_ids(prompts, [0] * len(prompts)) == expected
+    assert whole.describe()["row_groups"] is None
+    # several batches: no groups (the captured steps are shared by the batches)
+    batched = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, batch_size=4)
+    assert batched.generate_ids(prompts, [0] * len(prompts)) == expected
+    assert batched.describe()["row_groups"] is None
+
+
 @pytest.mark.parametrize("batch_size", [4, 0])  # several batches (padded last one), or all rows at once
 def test_greedy_output_equals_plain_generate_token_for_token(model, prompts, stops, batch_size):
     expected = [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]
