@@ -322,8 +322,8 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
         max_length=1024,
         batch_size=batch,
         num_anchors=anchors,
-        # an earlier H200 run over-fitted, its held-out τ peaking a third of the way in (docs/real-target.md):
-        # evaluate often, and decode the best checkpoint
+        # an earlier H200 run over-fitted, its held-out τ peaking a third of the way in
+        # (docs/real-target.md): evaluate often, and decode the best checkpoint
         eval_points=8 if device == "cuda" else 3,
         max_new_tokens=answer_tokens,
         device=device,

@@ -63,8 +63,9 @@ class KVBuffers:
     The attention layers of transformers 5.17 and 5.24 call `cache.update(key, value, layer_idx, ...)` and
     attend to what it returns; nothing else of the cache is used when positions and a 4-D mask are given.
     In a prefill (`prefill_rows` set) a row chunk's prompt keys go to `prefill_columns` (the chunk's own
-    width, ending where every prompt ends) and the chunk attends to them alone; in a decode step the one new key goes to `column` (a device tensor, so a CUDA
-    graph replays it at the current column) and attention sees the first `visible` columns."""
+    width, ending where every prompt ends) and the chunk attends to them alone; in a decode step the one
+    new key goes to `column` (a device tensor, so a CUDA graph replays it at the current column) and
+    attention sees the first `visible` columns."""
 
     def __init__(self, model, rows: int, width: int, dtype: torch.dtype, device: torch.device):
         text = text_config(model.config)

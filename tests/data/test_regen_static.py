@@ -44,7 +44,8 @@ def test_one_batch_decodes_by_row_groups_with_the_same_answers(model, prompts, s
     expected = [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]
     grouped = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, bucket=4)
     assert grouped.generate_ids(prompts, [0] * len(prompts)) == expected
-    # lengths sorted 20, 12, 9, 9, 7, 5, 4, 3, 1 (width 20), in 4 groups of rows [0, 2), [2, 4), [4, 6), [6, 9)
+    # lengths sorted 20, 12, 9, 9, 7, 5, 4, 3, 1 (width 20), in 4 groups of rows:
+    # [0, 2), [2, 4), [4, 6), [6, 9)
     assert grouped.describe()["row_groups"] == [[0, 2, 0], [2, 4, 11], [4, 6, 13], [6, 9, 16]]
     whole = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, bucket=4, row_groups=1)
     assert whole.generate_ids(prompts, [0] * len(prompts)) == expected
