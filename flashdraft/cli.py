@@ -195,6 +195,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         cut_answers=args.cut_answers,
         workers=args.workers,
         render_workers=args.render_workers or 0,
+        row_groups=args.row_groups,
         limit=args.limit,
         chunk=args.chunk or 0,  # 0: by where regeneration runs
         skip_bad_records=args.skip_bad_records,
@@ -522,6 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workers", type=positive_int, default=1, help="worker processes with --device cpu (GPUs: one each)"
+    )
+    p.add_argument(
+        "--row-groups",
+        type=positive_int,
+        default=4,
+        help="static engine: row groups by prompt length, each reading only its own cached columns "
+        "(1: every row reads the batch's full width; docs/regeneration.md)",
     )
     p.add_argument(
         "--render-workers",

@@ -126,6 +126,7 @@ def prepare_command(args: argparse.Namespace, out: Path) -> list[str]:
     command = [sys.executable, "-m", "flashdraft", "prepare", str(args.prompts), "--target", str(args.target)]
     command += ["--out", str(out), "--regenerate", "--max-new-tokens", str(args.max_new_tokens)]
     command += ["--device", args.device, "--engine", args.engine, "--max-length", str(10**9)]
+    command += ["--row-groups", str(args.row_groups)]
     return command + (["--batch-size", str(args.batch_size)] if args.batch_size else [])
 
 
@@ -136,6 +137,7 @@ def prepare_settings(args: argparse.Namespace) -> PrepareSettings:
         device=args.device,
         engine=args.engine,
         batch_size=args.batch_size,
+        row_groups=args.row_groups,
         sampling=Sampling(max_new_tokens=args.max_new_tokens),
         max_length=10**9,
     )
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="prepare --device")
     parser.add_argument("--engine", default="auto", help="prepare --engine (auto, static, hf, hf-cb, vllm)")
     parser.add_argument("--batch-size", type=int, default=0, help="prepare --batch-size")
+    parser.add_argument("--row-groups", type=int, default=4, help="prepare --row-groups (1: off)")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--make-inputs", metavar="DIR", help="write a 135M-shaped random target and prompts")
     parser.add_argument("--num-prompts", type=int, default=2000, help="with --make-inputs")

@@ -112,6 +112,7 @@ class LocalJob:
     chunk: int = 256
     threads: int = 0  # CPU threads per worker (0: torch's default)
     auto: bool = False  # chosen by --engine auto: `static` may fall back to `hf` for a target it cannot drive
+    row_groups: int = 4  # the static engine's decode attention row groups (1: off)
 
 
 def target_stop_ids(target: str | Path, tokenizer, thinking: str | None) -> list[int]:
@@ -150,7 +151,7 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
     if job.engine == "hf-cb":
         engine = ContinuousBatchingEngine(model, job.sampling, stops, pad)
     elif job.engine == "static" and note is None:
-        engine = StaticEngine(model, job.sampling, stops, pad, job.batch_size)
+        engine = StaticEngine(model, job.sampling, stops, pad, job.batch_size, row_groups=job.row_groups)
     else:
         engine = HFGenerateEngine(model, job.sampling, stops, pad, job.batch_size)
     return LocalEngine(engine, tokenizer, job.thinking, stops, note)

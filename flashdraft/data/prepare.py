@@ -53,6 +53,7 @@ class PrepareSettings:
     cut_answers: str = "keep"  # keep or drop answers cut at --max-new-tokens (docs/regeneration.md)
     workers: int = 1  # CPU worker processes
     render_workers: int = 0  # processes rendering the samples; 0: by input size (data/render_pool.py)
+    row_groups: int = 4  # static engine: decode attention row groups (data/decode_loop.py; 1: off)
     max_retries: int = 5  # per server request, on 429, 5xx and broken connections
     max_failed_requests: int | None = None  # None: 1% of the server requests
     retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
@@ -101,7 +102,17 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
     # a GPU engine runs a chunk as a few large batches: small chunks would leave it mostly idle
     chunk = settings.chunk or (4096 if devices[0].startswith("cuda") else 256)
-    job = LocalJob(target, sampling, settings.thinking, engine, settings.batch_size, chunk, threads, auto)
+    job = LocalJob(
+        target,
+        sampling,
+        settings.thinking,
+        engine,
+        settings.batch_size,
+        chunk,
+        threads,
+        auto,
+        settings.row_groups,
+    )
     return {
         "job": job,
         "devices": devices,

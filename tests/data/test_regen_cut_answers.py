@@ -158,6 +158,23 @@ def test_rendering_in_threads_gives_the_same_samples_and_counts(tmp_path, target
     assert len(outcomes["threads"][2]) == 1 and "in.jsonl line 10" in outcomes["threads"][2][0]
 
 
+def test_row_groups_flag_reaches_the_static_engine_and_the_answers_stay(tmp_path, target):
+    """`--row-groups 1` turns the decode attention's row groups off; the default groups rows by prompt
+    length (recorded in the manifest's engine record), and the samples are the same."""
+    words = ["why", "hi there friend", "2+2", "ok", "sure thing then, thanks a lot", "be brief please"]
+    data = _write(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": w}]} for w in words])
+    outcomes = {}
+    for groups in ("4", "1"):
+        out = tmp_path / f"g{groups}"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        args += ["--device", "cpu", "--engine", "static", "--max-new-tokens", "4", "--row-groups", groups]
+        assert main(args) == 0
+        manifest = json.loads((out / "manifest.json").read_text())
+        outcomes[groups] = (_samples(out), manifest["regeneration"]["engine_details"][0]["row_groups"])
+    assert outcomes["4"][1] and len(outcomes["4"][1]) > 1 and outcomes["1"][1] is None
+    assert outcomes["4"][0] == outcomes["1"][0]
+
+
 class _DiesWhenUnpickled:
     """Unpickled in a render worker, it ends that process at once, as an out-of-memory kill would."""
 
