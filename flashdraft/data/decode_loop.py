@@ -201,21 +201,26 @@ class StaticEngine:
             return None
         return self.graphs.get(visible)
 
-    def _capture_all(self, total: int, widths: list[int] | None = None) -> None:
-        """Capture one step per attended-width bucket (or per width of `widths`). Capturing runs nothing;
-        the warm-up steps before it do run (on a side stream), which is harmless here: the prefill that
-        follows resets every buffer they touched."""
-        if not self.cuda_graphs or self.graph_failure:
+    def _decode_widths(self, first_column: int, total: int) -> list[int]:
+        """The attended widths of the decode steps that write columns `first_column`.. (the first decode
+        step writes at the batch's prompt width): the only ones worth a captured graph."""
+        return sorted({self._visible(column, total) for column in range(first_column, total)})
+
+    def _capture_all(self, widths: list[int]) -> None:
+        """Capture one step per attended width of `widths`. Capturing runs nothing; the warm-up steps
+        before it do run (on a side stream), which is harmless here: the prefill that follows resets
+        every buffer they touched."""
+        if not self.cuda_graphs or self.graph_failure or not widths:
             return
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: lazy initialisations happen outside capture
                 for _ in range(2):
-                    self._step(self._visible(0, total))
+                    self._step(widths[0])
             torch.cuda.current_stream(self.device).wait_stream(side)
             self.pool = torch.cuda.graph_pool_handle()
-            for visible in widths or sorted({self._visible(c, total) for c in range(total)}):
+            for visible in widths:
                 graph = torch.cuda.CUDAGraph()
                 # every graph's own tensors are dead after its replay (results land in the buffers made
                 # in _allocate), so one memory pool serves all of them
@@ -364,8 +369,11 @@ class StaticEngine:
             if batches == 1 and self._switched
             else None
         )
+        # Graphs only for the widths a decode step attends to: from the narrowest batch's prompt width
+        # on (a step never attends to fewer columns than its batch's prompts fill).
+        first_column = min(self._padded(len(prompts[order[start]])) for start in range(0, len(order), rows))
         timing, started = self.timing, self._clock()
-        self._capture_all(total)
+        self._capture_all(self._decode_widths(first_column, total))
         timing["capture_s"] += self._clock() - started
         for start in range(0, len(order), rows):
             batch = order[start : start + rows]
@@ -391,7 +399,7 @@ class StaticEngine:
         `flashdraft bench regen --step-time`, which compares the attentions without a whole run."""
         with self._attention():
             self._allocate(rows, columns)
-            self._capture_all(columns, widths=[columns])
+            self._capture_all([columns])
             for buffer in self.cache.keys + self.cache.values:
                 buffer.normal_()
             self.mask.fill_(True)

@@ -91,6 +91,24 @@ def test_prefill_in_row_chunks_of_their_own_width_gives_the_same_answers(
     assert all(c[2] >= 0 for c in chunks)
 
 
+@pytest.mark.parametrize("batch_size", [0, 4])
+def test_graphs_are_made_only_for_the_widths_the_decode_steps_attend_to(model, prompts, stops, batch_size):
+    """A decode step never attends to fewer columns than its batch's prompts fill, so the widths worth a
+    CUDA graph start at the narrowest batch's prompt width (fewer graphs, less capture time)."""
+    engine = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, batch_size, bucket=4)
+    asked = []
+    step = engine._step
+    engine._step = lambda visible: asked.append(visible) or step(visible)
+    captured = []
+    engine._capture_all = lambda widths: captured.append(widths)  # the CPU captures nothing: the list
+    engine.generate_ids(prompts, [0] * len(prompts))
+    # longest prompt 20 + 10 new tokens: 30 columns; the narrowest batch starts at 20 (one batch) or at
+    # 4 (batch size 4 makes 3 even batches of 3 rows: 20, 12, 9 | 9, 7, 5 | 4, 3, 1)
+    first = 20 if batch_size == 0 else 4
+    assert captured == [engine._decode_widths(first, 30)]
+    assert set(asked) <= set(captured[0]) and min(captured[0]) == engine._visible(first, 30)
+
+
 def test_sampled_answers_equal_the_hf_engines_whatever_the_batch(model, prompts, stops):
     s = Sampling(max_new_tokens=NEW, temperature=1.0, top_k=20, top_p=0.9)
     seeds = [101 + i for i in range(len(prompts))]
