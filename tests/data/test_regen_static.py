@@ -38,12 +38,20 @@ def stops(model, prompts):
     return emitted_stop_ids(model, prompts, NEW)
 
 
-def test_one_batch_decodes_by_row_groups_with_the_same_answers(model, prompts, stops):
+def test_one_batch_decodes_by_row_groups_with_the_same_answers(model, prompts, stops, monkeypatch):
     """One batch: the rows, sorted longest prompt first, go in up to 4 groups that each read the columns
     from their longest prompt's start; the answers equal one group reading every column."""
+    import flashdraft.data.decode_attention as decode_attention
+
+    calls = []
+    real = decode_attention.by_row_groups
+    monkeypatch.setattr(decode_attention, "by_row_groups", lambda *a: calls.append(a[-1]) or real(*a))
     expected = [cut_at_stop(_plain(model, p, stops), stops) for p in prompts]
     grouped = StaticEngine(model, Sampling(max_new_tokens=NEW), stops, 0, bucket=4)
     assert grouped.generate_ids(prompts, [0] * len(prompts)) == expected
+    # the groups reach the attention through the model's forward: every decode step, every layer
+    steps, layers = grouped.describe()["decode_steps"], model.config.num_hidden_layers
+    assert len(calls) == steps * layers and all(g == calls[0] for g in calls)
     # lengths sorted 20, 12, 9, 9, 7, 5, 4, 3, 1 (width 20), in 4 groups of rows:
     # [0, 2), [2, 4), [4, 6), [6, 9)
     assert grouped.describe()["row_groups"] == [[0, 2, 0], [2, 4, 11], [4, 6, 13], [6, 9, 16]]
