@@ -140,7 +140,6 @@ class StaticEngine:
         # (decode_attention.by_row_groups); `groups` holds the current batch's (first row, end, column)
         self.row_groups = row_groups
         self.groups: tuple[tuple[int, int, int], ...] | None = None
-        self._switched = False  # whether the model runs on our decode attention (set by generate_ids)
         # totals over every generate_ids call: the manifest's record of where the time went
         self.timing = {"batches": 0, "decode_steps": 0, "prefill_s": 0.0, "capture_s": 0.0, "decode_s": 0.0}
         # the first batch's prefill, chunk by chunk: [rows, width, seconds] (where a slow prefill goes)
@@ -330,14 +329,14 @@ class StaticEngine:
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         with self._attention() as switched:
-            self._switched = switched
             if switched:
                 self.attention_used = f"{self.attention} (K and V read once per step)"
             elif self.attention != "model":
                 self.attention_used = "the model's own (it cannot switch its attention implementation)"
             else:
                 self.attention_used = "the model's own (asked for)"
-            return self._generate(prompts, seeds)
+            # row groups live in our decode attention: only when the model runs on it
+            return self._generate(prompts, seeds, our_attention=switched)
 
     def _attention(self):
         """The context that runs the model on the chosen decode attention (yields whether it took)."""
@@ -347,7 +346,7 @@ class StaticEngine:
             else use_decode_attention(self.model, self.attention)
         )
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def _generate(self, prompts: list[list[int]], seeds: list[int], our_attention: bool) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         if not order:
@@ -366,7 +365,7 @@ class StaticEngine:
         # usual case on a GPU, where the rows come from free memory) they are known before the capture.
         self.groups = (
             self._column_groups([len(prompts[i]) for i in order], width)
-            if batches == 1 and self._switched
+            if batches == 1 and our_attention
             else None
         )
         # Graphs only for the widths a decode step attends to: from the narrowest batch's prompt width

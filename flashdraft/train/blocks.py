@@ -34,12 +34,12 @@ class BlockBatch:
     block_positions: Tensor  # [b, N*B] RoPE positions anchor + k (within the sample in a packed row)
     labels: Tensor  # [b, N*B] token at anchor + k (0 where not supervised)
     weights: Tensor  # [b, N*B] float32 exp(-(k-1)/γ) · loss_mask · keep · (k >= 1)
+    # [R] indices into the flattened weights of the positions that carry weight (the LM-head rows),
+    # found where the blocks are built (on the host): on the GPU, nonzero() would wait for the device.
+    rows: Tensor
     # Packed rows (docs/packing.md): where each block's sample starts in the row. block_positions are then
     # positions within the sample (RoPE sees each sample as if alone) while anchors stay row indices.
     doc_starts: Tensor | None = None  # [b, N]; None: every row is one sample starting at 0
-    # [R] indices into the flattened weights of the positions that carry weight (the LM-head rows),
-    # found where the blocks are built (on the host): on the GPU, nonzero() would wait for the device.
-    rows: Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -60,8 +60,8 @@ class BlockBatch:
             "block_positions",
             "labels",
             "weights",
-            "doc_starts",
             "rows",
+            "doc_starts",
         )
         return BlockBatch(
             *(None if getattr(self, f) is None else to_device(getattr(self, f), device) for f in fields)

@@ -125,7 +125,7 @@ class Objective:
         ):
             hidden = self.drafter(noise, features, ctx_positions, blocks.block_positions, masks)
         flat_weights = blocks.weights.flatten()
-        rows = flat_weights.nonzero().flatten() if blocks.rows is None else blocks.rows
+        rows = blocks.rows
         head = self.target.lm_head_weight
         hidden_rows = hidden.flatten(0, 1).index_select(0, rows).to(head.dtype)
         per_row = blocks.weights.shape[1]

@@ -100,6 +100,23 @@ def test_the_journal_key_holds_max_new_tokens(target):
     assert key(512) != key(1024)  # a rerun with a larger limit never reuses an answer cut at the smaller
 
 
+def _mixed_records() -> list[dict]:
+    """Prompt-only conversations (regenerated, several cut at 3 tokens), answered ones, and a bad record
+    on line 10."""
+    records = [{"messages": [{"role": "user", "content": w}]} for w in ["why", "hi", "2+2", "ok", "sure"]]
+    return records + CONVS * 2 + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}]
+
+
+def _rendered(data, target, out, *flags: str) -> tuple:
+    """`prepare --regenerate` of `data` on the CPU (3 new tokens, bad records skipped) with `flags`: its
+    samples, its counts and its bad records."""
+    args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+    assert main([*args, "--device", "cpu", "--max-new-tokens", "3", "--skip-bad-records", *flags]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    counts = {k: manifest[k] for k in ("samples", "dropped", "generated_ids", "cut_answers", "tokens")}
+    return _samples(out), counts, manifest["bad_records"]
+
+
 def test_rendering_in_worker_processes_gives_the_same_samples_and_counts(
     tmp_path, target, monkeypatch, capsys
 ):
@@ -108,18 +125,11 @@ def test_rendering_in_worker_processes_gives_the_same_samples_and_counts(
     from flashdraft.data import render_pool
 
     monkeypatch.setattr(render_pool, "CHUNK", 3)  # 10 conversations: 4 chunks
-    records = [{"messages": [{"role": "user", "content": w}]} for w in ["why", "hi", "2+2", "ok", "sure"]]
-    records += CONVS * 2 + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}]
-    data = _write(tmp_path / "in.jsonl", records)
+    data = _write(tmp_path / "in.jsonl", _mixed_records())
     outcomes = {}
     for workers in ("1", "2"):
         out = tmp_path / f"w{workers}"
-        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
-        args += ["--device", "cpu", "--max-new-tokens", "3", "--engine", "static", "--skip-bad-records"]
-        assert main([*args, "--render-workers", workers]) == 0
-        manifest = json.loads((out / "manifest.json").read_text())
-        counts = {k: manifest[k] for k in ("samples", "dropped", "generated_ids", "cut_answers", "tokens")}
-        outcomes[workers] = (_samples(out), counts, manifest["bad_records"])
+        outcomes[workers] = _rendered(data, target, out, "--engine", "static", "--render-workers", workers)
     assert "rendering 9 conversations in 2 processes" in capsys.readouterr().out
     assert outcomes["1"] == outcomes["2"]
     _, counts, bad = outcomes["2"]
@@ -132,9 +142,7 @@ def test_rendering_in_threads_gives_the_same_samples_and_counts(tmp_path, target
     input order, so the shards, every count and the bad record's name equal a single thread's."""
     from flashdraft.data import render_pool
 
-    records = [{"messages": [{"role": "user", "content": w}]} for w in ["why", "hi", "2+2", "ok", "sure"]]
-    records += CONVS * 2 + [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}]
-    data = _write(tmp_path / "in.jsonl", records)
+    data = _write(tmp_path / "in.jsonl", _mixed_records())
     monkeypatch.setattr(render_pool, "_cores", lambda: 4)
     monkeypatch.setattr(render_pool, "THREAD_CHUNK", 2)  # 9 conversations: the first alone, then 4 chunks
     used = []
@@ -147,12 +155,7 @@ def test_rendering_in_threads_gives_the_same_samples_and_counts(tmp_path, target
     outcomes = {}
     for label, threads_from in (("one thread", 10**9), ("threads", 2)):
         monkeypatch.setattr(render_pool, "THREADS_FROM", threads_from)
-        out = tmp_path / label.replace(" ", "_")
-        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
-        assert main([*args, "--device", "cpu", "--max-new-tokens", "3", "--skip-bad-records"]) == 0
-        manifest = json.loads((out / "manifest.json").read_text())
-        counts = {k: manifest[k] for k in ("samples", "dropped", "generated_ids", "cut_answers", "tokens")}
-        outcomes[label] = (_samples(out), counts, manifest["bad_records"])
+        outcomes[label] = _rendered(data, target, tmp_path / label.replace(" ", "_"))
     assert used == [1, 4]
     assert outcomes["one thread"] == outcomes["threads"]
     assert len(outcomes["threads"][2]) == 1 and "in.jsonl line 10" in outcomes["threads"][2][0]
