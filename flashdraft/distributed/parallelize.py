@@ -104,6 +104,16 @@ class DataParallel:
         else:
             yield
 
+    def close(self) -> None:
+        """Before the process group is destroyed: drop DDP's reducer. A C++ reducer that outlives
+        `destroy_process_group` holds the last reference to a gloo group, and frees it with the GIL held
+        while a gloo worker thread, still freeing a finished collective's tensors, waits for the GIL: the
+        process hangs after its last step (docs/distributed.md, "Shutting down"). Dropped first, the
+        group's last reference goes with `destroy_process_group`, which frees it without the GIL."""
+        if self.kind == "ddp":
+            for name in ("reducer", "logger"):  # the logger holds the reducer too
+                self.module.__dict__.pop(name, None)
+
 
 def resolve_data_parallel(setting: str, world_size: int) -> str:
     """`distributed.data_parallel` for this world: 'none' for one process, 'auto' means ddp (measured 14%

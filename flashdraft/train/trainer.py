@@ -693,6 +693,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     if logger is not None:
         logger.close()
     barrier(topo)
+    parallel.close()  # DDP's reducer must not outlive the process group (a hang at exit otherwise)
     shutdown(topo)
     return {
         "steps": step,
