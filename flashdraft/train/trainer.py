@@ -46,6 +46,7 @@ from flashdraft.distributed.parallelize import (
     pad_multiple,
     parallelize,
     resolve_data_parallel,
+    start_compile_workers,
     unsharded_copy,
 )
 from flashdraft.distributed.split import (
@@ -230,6 +231,8 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                 "drafter ranks hold no target); set train.eval_every=0 or use distributed.mode=colocated"
             )
 
+    if t.compile and device.type == "cuda" and not _serves(roles):  # a rank that will compile the drafter
+        start_compile_workers()
     if config.distributed.target_parallel > 1:  # before any long work (config.py refuses split mode)
         check_group_size(config.distributed.target_parallel, topo.world_size)
 

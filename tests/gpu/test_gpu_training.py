@@ -245,3 +245,31 @@ def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
             torch.cuda.set_sync_debug_mode("default")
         drafter.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+
+
+def test_the_compiled_loss_is_one_graph_for_every_row_count():
+    """Full chunks and the remainder share one dynamic graph (one compile in the first step, not two), and
+    it computes what the eager chunk function does."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    head = torch.randn(1000, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
+    compiled, eager = WeightedHeadLoss(chunk=64, compile=True), WeightedHeadLoss(chunk=64)
+    for rows in (200, 77, 64):  # 3 full chunks and 8 rows; 1 and 13; one full chunk
+        hidden = torch.randn(rows, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
+        labels = torch.randint(0, 1000, (rows,), device=CUDA, generator=g)
+        got, want = compiled.rows(hidden, head, labels), eager.rows(hidden, head, labels)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(got.grad.float(), want.grad.float(), rtol=2e-2, atol=2e-2)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_compile_workers_are_up_before_the_first_compile():
+    from torch._inductor.async_compile import AsyncCompile
+
+    from flashdraft.distributed.parallelize import start_compile_workers
+
+    start_compile_workers()
+    AsyncCompile.wait_pool_ready(timeout=180)
+    assert AsyncCompile.use_process_pool()  # inductor would now compile kernels in its workers

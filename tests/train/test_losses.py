@@ -179,3 +179,28 @@ def test_bad_loss_settings_name_the_field(override, field):
 
     with pytest.raises(FlashdraftError, match=field.replace(".", r"\.")):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("kind", ["ce", "lk"])
+def test_compiled_chunks_are_one_graph_dynamic_in_rows_only(kind):
+    """Full chunks and the remainder reach the compiled chunk function as one graph (one compile in the
+    first step), even when the hidden size equals the chunk; dynamo's own graph count, through its eager
+    backend (inductor's kernels are checked on the GPU: tests/gpu/test_gpu_training.py)."""
+    from torch._dynamo.utils import counters
+
+    from flashdraft.train.loss import chunk_rows
+
+    torch._dynamo.reset()
+    counters.clear()
+    loss = WeightedHeadLoss(chunk=32, loss=kind, compile=True)
+    loss.chunk_fn = torch.compile(chunk_rows, fullgraph=True, backend="eager")
+    eager = WeightedHeadLoss(chunk=32, loss=kind)
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(100, 32, generator=g)
+    for rows in (90, 45, 32):  # 2 full chunks and 26 rows; 32 and 13; one full chunk
+        hidden, teacher = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
+        labels = torch.randint(0, 100, (rows,), generator=g)
+        got, want = loss.rows(hidden, head, labels, teacher), eager.rows(hidden, head, labels, teacher)
+        torch.testing.assert_close(got.loss, want.loss)
+        torch.testing.assert_close(got.grad, want.grad)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
