@@ -26,6 +26,8 @@ def test_bench_data_times_the_data_path_and_two_train_starts(tmp_path, capsys):
         # the start-up line names where the time before the first step went
         (line,) = start["log_head"]
         assert line.startswith("training ") and "set up in " in line and "target " in line
+        # where it went: before the set-up (interpreter, imports), the set-up, the first step
+        assert all(start[part] > 0 for part in ("before_set_up_s", "set_up_s", "first_step_s"))
     assert result["meets_targets"] is (
         measured["to_first_batch_s"] <= 30
         and measured["peak_rss_GB"] <= 4
