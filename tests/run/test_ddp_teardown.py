@@ -1,10 +1,10 @@
 """Two gloo ranks under DDP exit after their last step (docs/distributed.md, "Shutting down").
 
 The race that once hung a run after its final checkpoint is made certain here: rank 0 still has a
-collective in flight (its peer joins a second later) when it tears down, so its gloo worker thread frees
-that collective's tensors, and needs the GIL, while the process group is destroyed. With the trainer's
-teardown (`DataParallel.close`, then `shutdown`) both ranks exit; with the reducer left holding the group,
-rank 0 never does."""
+collective in flight when it tears down (its peer joins 5 s later, ample for rank 0's teardown on a busy
+machine), so its gloo worker thread frees that collective's tensors, and needs the GIL, while the process
+group is destroyed. With the trainer's teardown (`DataParallel.close`, then `shutdown`) both ranks exit;
+with the reducer left holding the group, rank 0 never does."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _rank(rank: int, store: str, close_first: bool) -> None:
     parallel = apply_data_parallel(nn.Linear(4, 4), "ddp", torch.device("cpu"), bf16_compute=False)
     parallel.module(torch.randn(3, 4)).sum().backward()
     if rank == 1:
-        time.sleep(1.0)
+        time.sleep(5.0)
         dist.all_reduce(torch.ones(1))
     else:
         dist.all_reduce(torch.ones(1), async_op=True)  # handle and tensor dropped while it waits for rank 1
