@@ -26,7 +26,8 @@
 #          over 2 GPUs with the drafter on the same 2 (fla kernels carried in .whl)
 #   scaling (nvidia-h200-x2): bench train under torchrun: 1 GPU, 2 GPUs colocated (ddp), 1 + 1 split (docs/distributed.md)
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
-#   newtests: this round's gpu-marked tests (DFlash2, losses, sliding layers, the master-weight optimizer)
+#   newtests: this round's gpu-marked tests (the compiled loss's one graph, early compile workers, the no-sync
+#          step, the static engine with row groups and its capture widths)
 #   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl);
 #          REGEN_FLAGS="--device cuda:0" for one GPU against the one-GPU baseline; ENGINES="static hf"
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
@@ -130,8 +131,8 @@ case "${1:-tests}" in
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
       --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
   newtests)
-    python3 -m pytest -m gpu ${NEWTESTS:-tests/data/test_regen_static.py tests/data/test_decode_attention.py \
-      tests/train/test_optim.py tests/model/test_dflash2_gpu.py} \
+    python3 -m pytest -m gpu ${NEWTESTS:-tests/gpu/test_gpu_training.py tests/data/test_regen_static.py \
+      tests/data/test_decode_attention.py} \
       -q -p no:cacheprovider ${NEWTESTS_FLAGS:-} \
       2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
