@@ -183,17 +183,17 @@ class WeightedHeadLoss:
         # dynamic would also tie a hidden size equal to the chunk to the row count, and recompile).
         for start in range(0, n, self.chunk):
             end = min(start + self.chunk, n)
-            rows_in = [hidden[start:end].detach(), labels[start:end]]
-            rows_in.append(None if teacher is None else teacher[start:end].to(head_weight.dtype))
+            chunk_hidden, chunk_labels = hidden[start:end].detach(), labels[start:end]
+            chunk_teacher = None if teacher is None else teacher[start:end].to(head_weight.dtype)
             if self.compiled:
-                for tensor in rows_in:
+                for tensor in (chunk_hidden, chunk_labels, chunk_teacher):
                     if tensor is not None:
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
             out = self.chunk_fn(
-                rows_in[0],
+                chunk_hidden,
                 head_weight,
-                rows_in[1],
-                rows_in[2],
+                chunk_labels,
+                chunk_teacher,
                 self.multiplier,
                 self.loss,
                 self.lk_eta,

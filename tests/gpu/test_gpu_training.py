@@ -256,7 +256,7 @@ def test_the_compiled_loss_is_one_graph_for_every_row_count():
     g = torch.Generator(device="cuda").manual_seed(0)
     head = torch.randn(1000, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
     compiled, eager = WeightedHeadLoss(chunk=64, compile=True), WeightedHeadLoss(chunk=64)
-    for rows in (200, 77, 64):  # 3 full chunks and 8 rows; 1 and 13; one full chunk
+    for rows in (200, 77, 64):  # 3 full chunks and 8 rows; one and 13 rows; one full chunk
         hidden = torch.randn(rows, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
         labels = torch.randint(0, 1000, (rows,), device=CUDA, generator=g)
         got, want = compiled.rows(hidden, head, labels), eager.rows(hidden, head, labels)

@@ -197,7 +197,7 @@ def test_compiled_chunks_are_one_graph_dynamic_in_rows_only(kind):
     eager = WeightedHeadLoss(chunk=32, loss=kind)
     g = torch.Generator().manual_seed(0)
     head = torch.randn(100, 32, generator=g)
-    for rows in (90, 45, 32):  # 2 full chunks and 26 rows; 32 and 13; one full chunk
+    for rows in (90, 45, 32):  # 2 full chunks and 26 rows; one and 13 rows; one full chunk
         hidden, teacher = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
         labels = torch.randint(0, 100, (rows,), generator=g)
         got, want = loss.rows(hidden, head, labels, teacher), eager.rows(hidden, head, labels, teacher)
