@@ -137,7 +137,8 @@ case "${1:-tests}" in
       2>&1 | tee "$out/gpu_newtests.log" | tail -8 ;;
   regen)
     # one decode step of the static engine at the real run's size, with each decode attention
-    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench regen --target $REAL/smollm2 --step-time 1000x832 \
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench regen --target $REAL/smollm2 --step-time 1000x832 --profile \
+      --out "$out/regen_step_time_h200.json" \
       2>&1 | grep -v -i warn | tail -6
     baseline=""  # the plain-generate baseline is timed once, with the first engine
     for engine in ${ENGINES:-auto}; do

@@ -99,10 +99,45 @@ def _rows_by_columns(text: str) -> tuple[int, int]:
     return int(rows), int(columns)
 
 
-def step_time(target: str, rows: int, columns: int, device_name: str, repeats: int = 5) -> dict:
+def top_kernels(engine, rows: int, columns: int, repeats: int, count: int = 12) -> list[dict]:
+    """Where one decode step's device time goes: the `count` kernels (aten ops on the CPU) with the most
+    self time, per step, over `repeats` eager steps under torch.profiler. Eager, so that every kernel is
+    recorded whatever the profiler makes of graph replays; they are the kernels a graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    engine.cuda_graphs = False
+    with engine.decode_step(rows, columns) as step, profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize(engine.device)
+
+    def self_us(event) -> float:
+        if on_gpu:  # the device's own time (named cuda_* in older releases)
+            return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
+        return event.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if self_us(e) > 0]
+    total = sum(self_us(e) for e in events) or 1.0
+    return [
+        {
+            "name": e.key[:120],
+            "calls_per_step": round(e.count / repeats, 2),
+            "us_per_step": round(self_us(e) / repeats, 1),
+            "share": round(self_us(e) / total, 4),
+        }
+        for e in sorted(events, key=self_us, reverse=True)[:count]
+    ]
+
+
+def step_time(
+    target: str, rows: int, columns: int, device_name: str, repeats: int = 5, profile: bool = False
+) -> dict:
     """Milliseconds of one static-engine decode step at `rows` x `columns` with each decode attention
     (`grouped`, `grouped-fused`, and `model`: the model's own SDPA), bf16 with CUDA graphs on a GPU, fp32
-    eager on the CPU."""
+    eager on the CPU; with `profile`, also each attention's `top_kernels`."""
     from transformers import AutoModelForCausalLM
 
     from flashdraft.data.decode_loop import StaticEngine
@@ -116,6 +151,8 @@ def step_time(target: str, rows: int, columns: int, device_name: str, repeats: i
         engine = StaticEngine(model, sampling, [], 0, rows, attention=attention)
         result[f"{attention}_ms"] = round(1000 * engine.step_seconds(rows, columns, repeats), 3)
         result["cuda_graphs"] = engine.describe()["cuda_graphs"]
+        if profile:
+            result[f"{attention}_top_kernels"] = top_kernels(engine, rows, columns, repeats)
         del engine
     return result
 
@@ -168,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step-time", metavar="ROWSxCOLS", help="time only the static engine's decode step at this size"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="with --step-time: also the kernels that take a step's device time, per attention (torch.profiler)",
+    )
     args = parser.parse_args(argv)
     if args.make_inputs:
         target, prompts_file = make_inputs(Path(args.make_inputs), args.num_prompts)
@@ -178,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.target:
             raise FlashdraftError("flashdraft bench regen --step-time: --target is required")
         result = {**provenance("regen", argv), "target": str(args.target)}
-        result["step_time"] = step_time(args.target, rows, columns, args.device)
+        result["step_time"] = step_time(args.target, rows, columns, args.device, profile=args.profile)
         print(json.dumps(result, indent=1))
         if args.out:
             atomic_write_json(args.out, result, indent=2)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -391,12 +392,12 @@ class StaticEngine:
                 out[batch[row]] = cut_at_stop(ids[: counts[row]], self.stops)
         return out
 
-    @torch.inference_mode()
-    def step_seconds(self, rows: int, columns: int, repeats: int = 5) -> float:
-        """Mean wall time of one decode step of `rows` rows attending to `columns` filled columns (random
-        keys and values), run as `generate_ids` runs it (its attention, a CUDA graph on a GPU): for
-        `flashdraft bench regen --step-time`, which compares the attentions without a whole run."""
-        with self._attention():
+    @contextmanager
+    def decode_step(self, rows: int, columns: int) -> Iterator[Callable[[], None]]:
+        """A decode step of `rows` rows attending to `columns` filled columns (random keys and values), run
+        as `generate_ids` runs it (its attention, a CUDA graph on a GPU), ready to be called repeatedly:
+        for timing and profiling one step without a whole run (`flashdraft bench regen --step-time`)."""
+        with torch.inference_mode(), self._attention():
             self._allocate(rows, columns)
             self._capture_all([columns])
             for buffer in self.cache.keys + self.cache.values:
@@ -412,13 +413,19 @@ class StaticEngine:
                 else:
                     self._step(columns)
 
-            step()  # untimed: lazy initialisations, first-touch of the buffers
+            step()  # lazy initialisations, first-touch of the buffers
+            try:
+                yield step
+            finally:
+                self.graphs.clear()
+
+    def step_seconds(self, rows: int, columns: int, repeats: int = 5) -> float:
+        """Mean wall time of one `decode_step`, over `repeats` runs after an untimed one."""
+        with self.decode_step(rows, columns) as step:
             started = self._clock()
             for _ in range(repeats):
                 step()
-            seconds = (self._clock() - started) / repeats
-            self.graphs.clear()
-            return seconds
+            return (self._clock() - started) / repeats
 
     def _rows(self, total: int) -> int:
         if self.batch_size:

@@ -199,6 +199,28 @@ def test_bench_regen_step_time_reports_each_attention_and_refuses_a_bad_size(tmp
     step = json.loads(out.read_text())["step_time"]
     assert step["rows"] == 8 and step["columns"] == 16
     assert all(step[f"{a}_ms"] > 0 for a in ("grouped", "grouped-fused", "model"))
+    assert "grouped_top_kernels" not in step  # only with --profile
+    profiled = tmp_path / "profiled.json"
+    argv = [
+        "--target",
+        str(target),
+        "--step-time",
+        "8x16",
+        "--device",
+        "cpu",
+        "--profile",
+        "--out",
+        str(profiled),
+    ]
+    assert main(argv) == 0
+    step = json.loads(profiled.read_text())["step_time"]
+    for attention in ("grouped", "grouped-fused", "model"):
+        top = step[f"{attention}_top_kernels"]  # on the CPU: aten ops by self time, largest first
+        assert top and all(row["us_per_step"] > 0 and row["calls_per_step"] > 0 for row in top)
+        assert [row["us_per_step"] for row in top] == sorted(
+            (row["us_per_step"] for row in top), reverse=True
+        )
+        assert any("mm" in row["name"] or "linear" in row["name"] for row in top)  # the layer's matmuls
     # the timing kept from a prepare manifest: static-engine workers only
     regeneration = {"engine_details": [{"engine": "hf"}, {"engine": "static", "rows": 4, "decode_steps": 9}]}
     assert engine_timing(regeneration) == [
