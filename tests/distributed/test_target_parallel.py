@@ -9,7 +9,6 @@ norms within 1e-4 relative."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.target import TargetModel
 from flashdraft.train.resume import check_resume_config
 from tests.distributed.tp_features_worker import LAYER_IDS, inputs
+from tests.processes import run_or_dump
 from tests.run.conftest import setup  # noqa: F401  (the tiny training setup, a fixture)
 from tests.run.test_distributed_dp import _assert_same, _curve, _train
 
@@ -101,9 +101,7 @@ def test_resume_accepts_another_target_parallel():
 def test_a_two_rank_group_gives_each_rank_the_single_process_features(target_dirs, tmp_path, kind):
     path = target_dirs[kind]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), path, str(tmp_path), "2"], capture_output=True, text=True, timeout=300
-    )
+    proc = run_or_dump([*cmd, str(WORKER), path, str(tmp_path), "2"], timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "loading the whole target" not in proc.stdout  # each rank read only its shard (shard_loading)
     whole = TargetModel.load(path, LAYER_IDS, dtype=torch.float32)

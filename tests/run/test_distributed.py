@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.processes import run_or_dump
+
 from .test_faults import FLASHDRAFT, fault, final, launch, status, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,7 +47,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
         capture_output=True,
     )
     double = tmp_path / "double"
-    proc = subprocess.run(
+    proc = run_or_dump(
         [
             sys.executable,
             "-m",
@@ -60,8 +62,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
             "train.batch_size=2",
             f"train.out_dir={double}",
         ],
-        capture_output=True,
-        text=True,
+        timeout=480,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = _losses(single), _losses(double)

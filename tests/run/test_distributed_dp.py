@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import run_or_dump
+
 pytestmark = pytest.mark.slow
 
 COMMON = {"train.log_every": 1, "train.device": "cpu", "distributed.timeout_minutes": 1}
@@ -28,9 +30,7 @@ def _train(setup, out: Path, ranks: int, **settings) -> subprocess.CompletedProc
         ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
     )
     cmd = [sys.executable, *launcher, "-m", "flashdraft", "train", str(setup["config"])]
-    proc = subprocess.run(
-        [*cmd, *_args(**settings), f"train.out_dir={out}"], capture_output=True, text=True, timeout=480
-    )
+    proc = run_or_dump([*cmd, *_args(**settings), f"train.out_dir={out}"], timeout=480)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -136,11 +136,8 @@ def test_resume_with_another_global_micro_batch_is_refused(setup, tmp_path):
     out = tmp_path / "run"
     _train(setup, out, 1, **{"train.batch_size": 4, "train.max_steps": 2})
     cmd = [sys.executable, "-m", "flashdraft", "train", str(setup["config"])]
-    proc = subprocess.run(
-        [*cmd, *_args(**{"train.batch_size": 2, "train.max_steps": 4}), f"train.out_dir={out}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_or_dump(
+        [*cmd, *_args(**{"train.batch_size": 2, "train.max_steps": 4}), f"train.out_dir={out}"], timeout=300
     )
     assert proc.returncode != 0
     assert "global micro-batch (train.batch_size x ranks) 4 x 1 -> 2 x 1" in proc.stderr + proc.stdout

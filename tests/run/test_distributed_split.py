@@ -19,6 +19,7 @@ from flashdraft.distributed.split import balance, micro_share, split_roles
 from flashdraft.errors import FlashdraftError
 from flashdraft.run_protocol import RUN_DIR_ENV
 from tests.faults import fault_env
+from tests.processes import run_or_dump
 
 from .test_distributed_dp import _assert_same, _curve
 
@@ -36,9 +37,7 @@ def _torchrun(setup, out: Path, settings: dict, env: dict | None = None, timeout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
     cmd += ["-m", "flashdraft", "train", str(setup["config"]), f"train.out_dir={out}"]
     cmd += [f"{k}={v}" for k, v in {**SPLIT, **settings}.items()]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
+    return run_or_dump(cmd, timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow

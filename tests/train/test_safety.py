@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from flashdraft.train.objective import Objective
 from flashdraft.train.trainer import train
 from tests.faults import fault_env
 from tests.filesystems import tmpfs
+from tests.processes import run_or_dump
 
 from .test_trainer import _overrides, train_file  # noqa: F401 - train_file is a fixture
 
@@ -185,7 +185,7 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path, qw
         out,
         **{"train.max_steps": 4, "train.batch_size": 1, "train.resume": "never"},
     )
-    proc = subprocess.run(
+    proc = run_or_dump(
         [
             sys.executable,
             "-m",
@@ -198,9 +198,8 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path, qw
             *overrides,
         ],
         # rank 1 only; its gradients stay finite
+        timeout=480,
         env={**os.environ, **fault_env("inf-loss@3:1"), "FLASHDRAFT_RUN_DIR": str(run_dir)},
-        capture_output=True,
-        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     finals = [json.loads((run_dir / f"rank{r}" / "final.json").read_text()) for r in (0, 1)]
