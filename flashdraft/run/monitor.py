@@ -15,11 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.diagnose import LOG_NAME, diagnose_exit, final_record, log_tail
-from flashdraft.run.processes import is_ours, signal_group, signal_process
+from flashdraft.run.processes import is_ours, signal_group, signal_process, torchrun_workers
 from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, records_from_log, write_record
 
 # How far back in the log `status` looks for record lines (the tail is also capped at 256 kB).
@@ -213,7 +211,13 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             state = "stalled"
             diagnosis = (
                 f"hung: no heartbeat for {age:.0f} s (limit {stall:.0f} s) while job pid {status['job_pid']} lives, "
-                f"last phase {hb0.get('phase')} at step {hb0.get('step')}; inspect with py-spy dump --pid {status['job_pid']}"
+                f"last phase {hb0.get('phase')} at step {hb0.get('step')}; "
+                + (
+                    "every training process's Python stacks at the stall are in the log (flashdraft logs); "
+                    if status.get("stacks_dumped")
+                    else ""
+                )
+                + f"native frames too: py-spy dump --native --pid {status['job_pid']}"
             )
         elif hb0:
             state = PHASE_TO_STATE.get(hb0.get("phase"), "starting")
@@ -271,20 +275,6 @@ def follow_log(run_dir: Path, rank: int | None, lines: int, follow: bool) -> Non
             time.sleep(0.5)
 
 
-def _torchrun_workers(job_pid: int | None) -> list[psutil.Process]:
-    """The rank processes under a torchrun job (they carry RANK in their environment)."""
-    try:
-        children = psutil.Process(job_pid).children(recursive=True) if job_pid else []
-    except psutil.NoSuchProcess:
-        return []
-    workers = []
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            if "RANK" in child.environ():
-                workers.append(child)
-    return workers
-
-
 def _append_log(run_dir: Path, message: str) -> None:
     """A line of `stop`'s in the run log, beside the job's own (best effort: the log may be on a full disk)."""
     with contextlib.suppress(OSError), (run_dir / LOG_NAME).open("a") as handle:
@@ -297,7 +287,7 @@ def _signal_job(run_dir: Path, status: dict[str, Any], signum: int) -> bool:
     job_pid, started = status.get("job_pid"), status.get("job_started")
     if not is_ours(job_pid, started, run_id=run_id):
         return False
-    workers = _torchrun_workers(job_pid)
+    workers = torchrun_workers(job_pid)
     if workers and signum == signal.SIGTERM:  # signal the ranks, not torchrun: it would count its own
         for worker in workers:  # SIGTERM as a failure
             signal_process(worker, signum)

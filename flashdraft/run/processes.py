@@ -69,3 +69,18 @@ def signal_process(proc: psutil.Process, signum: int) -> None:
     """Signal a psutil handle: psutil itself refuses if the pid now names another process."""
     with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
         proc.send_signal(signum)
+
+
+def torchrun_workers(job_pid: int | None) -> list[psutil.Process]:
+    """The rank processes under a torchrun job (they carry RANK in their environment); none for a job
+    that is itself the one training process."""
+    try:
+        children = psutil.Process(job_pid).children(recursive=True) if job_pid else []
+    except psutil.NoSuchProcess:
+        return []
+    workers = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            if "RANK" in child.environ():
+                workers.append(child)
+    return workers

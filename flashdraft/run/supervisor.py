@@ -3,7 +3,8 @@
 Started by `launch` in a new session with stdin closed, stdout/stderr on the run log and the run
 directory as its working directory, so it outlives the shell, ssh or container exec that launched it,
 ignores their hangup, and imports nothing from the user's directory. It starts the job, records its pid
-and start time, waits, and writes the exit code or signal and a diagnosis to status.json.
+and start time, waits (asking a stalled job for its Python stacks: docs/run-files.md, "Stalls"), and
+writes the exit code or signal and a diagnosis to status.json.
 
 It must not die of its own faults (docs/run-files.md, "Full disk"): every status write goes through
 `write_record` (retry, then one record line in the log, which `status` reads back), the final one after
@@ -23,9 +24,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from flashdraft.durable import atomic_write_bytes
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
-from flashdraft.run.processes import start_time
+from flashdraft.run.processes import signal_process, start_time, torchrun_workers
 from flashdraft.run_protocol import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_record
 
 # Kept on disk while the job runs and removed just before the final status is written: on a disk the
@@ -69,6 +72,53 @@ def supervise(run_dir: Path) -> int:
         # else the job runs on without us: `status` says so, and `stop` can still end it
         _record(run_dir, {}, **changes)
         return 1
+
+
+def _heartbeats(run_dir: Path) -> list[dict[str, Any]]:
+    """Every rank's last heartbeat (each carries its time and its process's pid)."""
+    beats = [read_json(p) for p in run_dir.glob("rank*/heartbeat.json")]
+    return [b for b in beats if isinstance(b, dict) and isinstance(b.get("time"), int | float)]
+
+
+def _wait_watching(job: subprocess.Popen, run_dir: Path, stall_seconds: float, log) -> int:
+    """`job.wait()`, watching the heartbeats meanwhile: once no rank has beaten for `stall_seconds`, every
+    training process that has beaten is asked for its Python stacks (SIGUSR1: the job's faulthandler
+    writes all its threads' stacks to its log, and the process carries on), once per stall, so that a
+    hang leaves in the log where each rank waits (docs/run-files.md, "Stalls"). Only processes whose pid
+    a heartbeat carries: they registered the handler before their first beat, and SIGUSR1 would end any
+    other (torchrun's agent, a rank still importing)."""
+    poll = max(1.0, min(5.0, stall_seconds / 2))
+    dumped_for = None  # the heartbeat time of the stall already dumped
+    while True:
+        try:
+            return job.wait(timeout=poll)
+        except subprocess.TimeoutExpired:
+            pass
+        beats = _heartbeats(run_dir)
+        newest = max((b["time"] for b in beats), default=None)
+        if newest is None or newest == dumped_for or time.time() - newest <= stall_seconds:
+            continue
+        dumped_for = newest
+        beaten = {b.get("pid") for b in beats}
+        try:
+            candidates = torchrun_workers(job.pid) or [psutil.Process(job.pid)]
+        except psutil.NoSuchProcess:  # it ended meanwhile: the next wait returns its exit
+            continue
+        ranks = [process for process in candidates if process.pid in beaten]
+        asked = (
+            f"asked {len(ranks)} training process(es) for their Python stacks (SIGUSR1); they follow in this log"
+            if ranks
+            else "no live process carries a heartbeat's pid: no stacks asked for"
+        )
+        # logged before the signals: the stacks the processes write follow this line
+        _log(
+            log,
+            f"no heartbeat for {time.time() - newest:.0f} s (--stall-seconds {stall_seconds:.0f}): {asked}",
+        )
+        for process in ranks:
+            signal_process(process, signal.SIGUSR1)
+        if ranks:
+            _record(run_dir, {}, stacks_dumped=time.time())  # `status` says where the stacks are
 
 
 def _supervise(run_dir: Path, log) -> int:
@@ -136,7 +186,7 @@ def _supervise(run_dir: Path, log) -> int:
     status = _record(
         run_dir, status, state="running", job_pid=job.pid, job_pgid=job.pid, job_started=start_time(job.pid)
     )
-    returncode = job.wait()
+    returncode = _wait_watching(job, run_dir, float(launch.get("stall_seconds", 600)), log)
     sig = signal_name(returncode)
     (run_dir / RESERVE_NAME).unlink(missing_ok=True)  # room for what follows, on a disk the job filled
     forced = (read_json(run_dir / "status.json") or status).get("forced_stop")

@@ -1,15 +1,16 @@
 """`flashdraft train` as a job: crash capture and a final record on every exit path it controls.
 
-faulthandler dumps all threads' stacks on fatal signals; an exception in any thread ends the process
-(instead of leaving a half-dead run); uncaught exceptions are written to error.json, and final.json
-records the outcome and the count of skipped non-finite steps (docs/run-files.md,
-docs/training-safety.md). Output is flushed line by line.
+faulthandler dumps all threads' stacks on fatal signals and on SIGUSR1 (the supervisor's request when the
+job stalls); an exception in any thread ends the process (instead of leaving a half-dead run); uncaught
+exceptions are written to error.json, and final.json records the outcome and the count of skipped
+non-finite steps (docs/run-files.md, docs/training-safety.md). Output is flushed line by line.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -43,6 +44,9 @@ def _skipped(heartbeat: Heartbeat) -> dict[str, int]:
 def run_job(path: str | None, overrides: list[str]) -> dict:
     heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV), rank=int(os.environ.get("RANK", "0")))
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # The supervisor asks a stalled job for its stacks with SIGUSR1 (docs/run-files.md, "Stalls"): written
+    # by faulthandler from the signal handler itself, so also when the main thread holds the GIL.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     _install_thread_hook(heartbeat)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)

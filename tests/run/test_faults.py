@@ -155,8 +155,21 @@ def test_hung_job_is_reported_and_force_stopped(setup):
     info = wait_for(setup, info["run"], lambda s: s["state"] == "stalled", timeout=60)
     assert (
         info["diagnosis"].startswith("hung: no heartbeat")
-        and f"py-spy dump --pid {info['job_pid']}" in info["diagnosis"]
+        and f"py-spy dump --native --pid {info['job_pid']}" in info["diagnosis"]
     )
+    # The supervisor asked the job for its stacks: the log shows where it waits (the injected hang's
+    # sleep, under the trainer's heartbeat), and `status` says they are there. The job carries on.
+    log = Path(info["run_dir"]) / "train.log"
+    deadline = time.time() + 60
+    while "flashdraft_test_faults.py" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "training process(es) for their Python stacks (SIGUSR1)" in text
+    stacks = text[text.index("for their Python stacks") :]
+    assert "flashdraft_test_faults.py" in stacks and "run_job" in stacks, stacks[-3000:]
+    info = status(setup, info["run"])
+    assert "Python stacks at the stall are in the log" in info["diagnosis"], info["diagnosis"]
+    assert info["state"] == "stalled" and info["job_alive"]
     out = subprocess.run(
         [
             *FLASHDRAFT.split(),
