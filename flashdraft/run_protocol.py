@@ -96,6 +96,15 @@ def rank_dir(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}"
 
 
+def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """Every rank's last heartbeat, by rank (one being rewritten or unreadable is left out)."""
+    beats = {
+        int(p.parent.name.removeprefix("rank")): read_json(p)
+        for p in sorted(Path(run_dir).glob("rank*/heartbeat.json"))
+    }
+    return {rank: beat for rank, beat in beats.items() if isinstance(beat, dict)}
+
+
 def boot_id() -> str | None:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

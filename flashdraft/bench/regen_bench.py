@@ -101,13 +101,13 @@ def _rows_by_columns(text: str) -> tuple[int, int]:
 
 def top_kernels(engine, rows: int, columns: int, repeats: int, count: int = 12) -> list[dict]:
     """Where one decode step's device time goes: the `count` kernels (aten ops on the CPU) with the most
-    self time, per step, over `repeats` eager steps under torch.profiler. Eager, so that every kernel is
-    recorded whatever the profiler makes of graph replays; they are the kernels a graph replays."""
+    self time, per step, over `repeats` steps of `engine` under torch.profiler. Give it an engine without
+    CUDA graphs, so that every kernel is recorded whatever the profiler makes of graph replays; they are
+    the kernels a graph replays."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
-    engine.cuda_graphs = False
     with engine.decode_step(rows, columns) as step, profile(activities=activities) as prof:
         for _ in range(repeats):
             step()
@@ -152,7 +152,8 @@ def step_time(
         result[f"{attention}_ms"] = round(1000 * engine.step_seconds(rows, columns, repeats), 3)
         result["cuda_graphs"] = engine.describe()["cuda_graphs"]
         if profile:
-            result[f"{attention}_top_kernels"] = top_kernels(engine, rows, columns, repeats)
+            eager = StaticEngine(model, sampling, [], 0, rows, cuda_graphs=False, attention=attention)
+            result[f"{attention}_top_kernels"] = top_kernels(eager, rows, columns, repeats)
         del engine
     return result
 

@@ -18,7 +18,14 @@ from typing import Any
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.diagnose import LOG_NAME, diagnose_exit, final_record, log_tail
 from flashdraft.run.processes import is_ours, signal_group, signal_process, torchrun_workers
-from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, records_from_log, write_record
+from flashdraft.run_protocol import (
+    FINAL_STATES,
+    boot_id,
+    read_heartbeats,
+    read_json,
+    records_from_log,
+    write_record,
+)
 
 # How far back in the log `status` looks for record lines (the tail is also capped at 256 kB).
 LOG_RECORD_LINES = 2000
@@ -132,11 +139,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     launch = read_json(run_dir / "launch.json") or {}
     tail = log_tail(run_dir, LOG_RECORD_LINES)
     status = current_status(run_dir, tail)
-    heartbeats = {
-        int(p.parent.name.removeprefix("rank")): read_json(p)
-        for p in sorted(run_dir.glob("rank*/heartbeat.json"))
-    }
-    heartbeats = {k: v for k, v in heartbeats.items() if v}
+    heartbeats = read_heartbeats(run_dir)
     now = time.time()
     info: dict[str, Any] = {
         "run": run_dir.name,

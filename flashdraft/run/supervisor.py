@@ -29,7 +29,14 @@ import psutil
 from flashdraft.durable import atomic_write_bytes
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
 from flashdraft.run.processes import signal_process, start_time, torchrun_workers
-from flashdraft.run_protocol import RUN_DIR_ENV, RUN_ID_ENV, boot_id, read_json, write_record
+from flashdraft.run_protocol import (
+    RUN_DIR_ENV,
+    RUN_ID_ENV,
+    boot_id,
+    read_heartbeats,
+    read_json,
+    write_record,
+)
 
 # Kept on disk while the job runs and removed just before the final status is written: on a disk the
 # job filled, the final record then still has room (a status.json is a few KiB).
@@ -74,12 +81,6 @@ def supervise(run_dir: Path) -> int:
         return 1
 
 
-def _heartbeats(run_dir: Path) -> list[dict[str, Any]]:
-    """Every rank's last heartbeat (each carries its time and its process's pid)."""
-    beats = [read_json(p) for p in run_dir.glob("rank*/heartbeat.json")]
-    return [b for b in beats if isinstance(b, dict) and isinstance(b.get("time"), int | float)]
-
-
 def _wait_watching(job: subprocess.Popen, run_dir: Path, stall_seconds: float, log) -> int:
     """`job.wait()`, watching the heartbeats meanwhile: once no rank has beaten for `stall_seconds`, every
     training process that has beaten is asked for its Python stacks (SIGUSR1: the job's faulthandler
@@ -94,8 +95,8 @@ def _wait_watching(job: subprocess.Popen, run_dir: Path, stall_seconds: float, l
             return job.wait(timeout=poll)
         except subprocess.TimeoutExpired:
             pass
-        beats = _heartbeats(run_dir)
-        newest = max((b["time"] for b in beats), default=None)
+        beats = read_heartbeats(run_dir).values()  # each carries its time and its process's pid
+        newest = max((b["time"] for b in beats if isinstance(b.get("time"), int | float)), default=None)
         if newest is None or newest == dumped_for or time.time() - newest <= stall_seconds:
             continue
         dumped_for = newest
