@@ -139,6 +139,7 @@ def _peak_rss_gb(pid: int) -> float:
 
 
 SET_UP = re.compile(r"set up in ([0-9.]+) s")
+COMPILED = re.compile(r"step \d+: \d+ graph\(s\) compiled")  # the trainer's per-step compile report
 
 
 def time_train(
@@ -148,7 +149,7 @@ def time_train(
     command's start to its first optimizer step's metrics row, its peak resident memory, its start-up line,
     and where the time before the first step went: `before_set_up_s` (the interpreter, the imports, CUDA's
     start), `set_up_s` (the command's own set-up, from that line) and `first_step_s` (the first step, with
-    the compiles it waited for). torch's compile caches are `compile_cache` (inductor's and Triton's)."""
+    the compiles it waited for, graph by graph under `compiled`). torch's compile caches are `compile_cache` (inductor's and Triton's)."""
     if target is None:  # Qwen3's vocabulary (the set's ids), two small layers: the data path dominates
         from flashdraft.bench.tiny import save_tiny_target
 
@@ -213,6 +214,7 @@ def time_train(
         **parts,
         "peak_rss_GB": round(peak, 3),
         "log_head": head,
+        "compiled": [line for line in output.splitlines() if COMPILED.match(line)],
     }
 
 

@@ -85,6 +85,7 @@ from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.phases import PhaseClock
 from flashdraft.run_protocol import Heartbeat
+from flashdraft.train import compile_report
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.budget import TrainingClock, budget_schedule_position
 from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
@@ -535,6 +536,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     while step < total_steps:
         profiler.before_step(step + 1)
         started = time.perf_counter()
+        compiles_since = compile_report.now()
         training_time.start()
         waited_before = clock.waiting if clock else 0.0
         # Split: the receives of the next max_in_flight - 1 steps are posted before this one trains.
@@ -610,7 +612,12 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             clock.busy += time.perf_counter() - started - (clock.waiting - waited_before)
             totals = control.exchange(stopping or over_budget, clock, step)
             stopping = stopping or (totals["stop"] > 0 and not over_budget)
-        training_time.stop()
+        compiled = training_time.compiling()
+        step_seconds = training_time.stop()
+        if compiled:  # where a compiling step's time went, graph by graph (train/compile_report.py)
+            graphs = compile_report.graphs_compiled_since(compiles_since)
+            if graphs:
+                say(f"step {step}: " + compile_report.describe(graphs, step_seconds))
         last = step == total_steps or over_budget
         if profiler.after_step(step, last=last or stopping):
             say(f"profile of steps {profiler.first}-{step}: {profiler.report} (and a Chrome trace beside it)")

@@ -1,0 +1,75 @@
+"""Where a compiling step's time went: the graphs torch.compile built during it, each with its forward
+and its backward compile seconds (docs/performance.md, "The first step").
+
+A user whose first step takes 40 s sees which code paid for it (the drafter layer, the block-mask
+builder, the loss, the optimizer step) instead of one number. The records are dynamo's own
+(`torch._dynamo.utils.get_compilation_metrics`): one per compiled frame, and one per lazily compiled
+backward, which carries its forward's compile id but no name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class CompiledGraph:
+    name: str  # the compiled function's code name
+    compile_id: str  # dynamo's "frame/recompile" id
+    forward_s: float  # the frame's whole compile: tracing, AOT autograd, inductor's forward
+    backward_s: float  # inductor's compile of the backward, at the first backward
+    kernels_s: float  # of both: Triton's kernel builds
+
+
+def _records() -> list:
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:  # a torch without dynamo compiles nothing
+        return []
+    return list(get_compilation_metrics())
+
+
+def _seconds(record, name: str) -> float:
+    """A record field in seconds: `<name>_s`, or `<name>_us` in microseconds; 0 where torch lacks both."""
+    value = getattr(record, f"{name}_s", None)
+    if value is None:
+        micros = getattr(record, f"{name}_us", None)
+        value = micros / 1e6 if micros is not None else 0.0
+    return float(value)
+
+
+def graphs_compiled_since(since: float) -> list[CompiledGraph]:
+    """The graphs whose compile began at or after `since` (a `time.time()`), in compile order."""
+    graphs: dict[str, CompiledGraph] = {}
+    for record in _records():
+        if (getattr(record, "start_time", None) or 0.0) < since:
+            continue
+        key = str(record.compile_id)
+        graph = graphs.setdefault(key, CompiledGraph("?", key, 0.0, 0.0, 0.0))
+        if getattr(record, "is_forward", True):
+            graph.name = record.co_name or graph.name
+            graph.forward_s += _seconds(record, "entire_frame_compile_time")
+        else:
+            graph.backward_s += _seconds(record, "inductor_compile_time")
+        graph.kernels_s += _seconds(record, "triton_compile_time")
+    return list(graphs.values())
+
+
+def describe(graphs: list[CompiledGraph], step_seconds: float) -> str:
+    """One line: the compile seconds in all, then per graph, largest first."""
+    total = sum(g.forward_s + g.backward_s for g in graphs)
+    parts = []
+    for g in sorted(graphs, key=lambda g: -(g.forward_s + g.backward_s)):
+        backward = f" + {g.backward_s:.1f} s backward" if g.backward_s else ""
+        parts.append(f"{g.name} {g.forward_s:.1f} s{backward}")
+    kernels = sum(g.kernels_s for g in graphs)
+    return (
+        f"{len(graphs)} graph(s) compiled in {total:.1f} s of the step's {step_seconds:.1f} s "
+        f"(Triton kernel builds {kernels:.1f} s of it): " + ", ".join(parts)
+    )
+
+
+def now() -> float:
+    """The clock `graphs_compiled_since` compares with (dynamo stamps its records with wall time)."""
+    return time.time()

@@ -1,0 +1,40 @@
+"""The compiling step's report names each compiled graph with its forward and backward compile time."""
+
+import torch
+
+from flashdraft.train import compile_report
+
+
+def _square_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return ((x @ w).relu() ** 2).sum()
+
+
+def test_a_compiled_forward_and_its_backward_are_one_graph_with_both_times():
+    before = compile_report.now()
+    torch._dynamo.reset()
+    compiled = torch.compile(_square_sum, backend="inductor")
+    w = torch.randn(16, 16, requires_grad=True)
+    compiled(torch.randn(8, 16), w).backward()
+
+    graphs = compile_report.graphs_compiled_since(before)
+    assert [g.name for g in graphs] == ["_square_sum"]
+    (graph,) = graphs
+    assert graph.forward_s > 0 and graph.backward_s > 0
+    line = compile_report.describe(graphs, step_seconds=graph.forward_s + graph.backward_s + 1.0)
+    assert line.startswith("1 graph(s) compiled in ")
+    assert "_square_sum " in line and " s backward" in line
+
+    # a later window sees nothing of it
+    assert compile_report.graphs_compiled_since(compile_report.now()) == []
+
+
+def test_graphs_are_listed_largest_first():
+    graphs = [
+        compile_report.CompiledGraph("small", "0/0", 1.0, 0.0, 0.5),
+        compile_report.CompiledGraph("large", "1/0", 2.0, 3.0, 1.0),
+    ]
+    line = compile_report.describe(graphs, step_seconds=10.0)
+    assert line == (
+        "2 graph(s) compiled in 6.0 s of the step's 10.0 s (Triton kernel builds 1.5 s of it): "
+        "large 2.0 s + 3.0 s backward, small 1.0 s"
+    )
