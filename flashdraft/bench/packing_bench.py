@@ -319,15 +319,10 @@ def build_training(args, drafter_config, target: TargetModel, gamma: float):
         target,
         num_anchors=args.num_anchors,
         gamma=gamma,
-        loss=WeightedHeadLoss(
-            chunk=1024, multiplier=drafter.spec.output_multiplier, compile=placement.compiled
-        ),
+        loss=WeightedHeadLoss(chunk=1024, multiplier=drafter.spec.output_multiplier),
         anchors=args.anchors,
         attention=placement.attention,
-        create_block_mask=placement.create_block_mask,
         autocast_dtype=placement.autocast_dtype,
     )
-    optimizer = make_optimizer(
-        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
-    )
+    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0)
     return objective, optimizer, placement.pad_multiple

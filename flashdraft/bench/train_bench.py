@@ -123,12 +123,9 @@ def run_shape(
         gamma=7.0,
         loss=loss_fn,
         attention=placement.attention,
-        create_block_mask=placement.create_block_mask,
         autocast_dtype=placement.autocast_dtype,
     )
-    optimizer = make_optimizer(
-        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
-    )
+    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0)
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()

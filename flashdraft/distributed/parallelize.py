@@ -3,9 +3,9 @@ checkpointing; it knows the model and the run's settings, nothing of the trainer
 
 Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
 parameter precision (bf16 weights with fp32 master weights in the optimizer, or fp32 weights under
-bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph)
-and the compiled BlockMask builder, under compile settings that make every silent degradation an
-error. `Placement.compiled` tells the loss and the optimizer to compile their own kernels. Compilation
+bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph),
+under compile settings that make every silent degradation an
+error. `Placement.compiled` tells the loss to compile its own kernels. Compilation
 happens on the calling (main) thread of a process that owns one GPU: torch.compile is not thread-safe,
 and a racing or failed compile must never fall back silently to dense attention (docs/processes.md).
 
@@ -22,7 +22,7 @@ import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,7 +221,6 @@ class Placement:
     compiled: bool
     autocast_dtype: torch.dtype | None
     param_dtype: torch.dtype  # the drafter's weights; below fp32, the optimizer keeps fp32 master weights
-    create_block_mask: Callable | None
     pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
     data_parallel: DataParallel  # what the objective calls, and how gradients meet across ranks
 
@@ -306,15 +305,10 @@ def parallelize(
     for layer in drafter.layers:
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    create_block_mask = None
     if compile:
         guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
-    if attention == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
-
-        create_block_mask = torch.compile(_create_block_mask)
     parallel = apply_data_parallel(
         drafter, data_parallel, device, bf16_compute=bf16_compute, group=group, bucket_mb=bucket_mb
     )
@@ -324,7 +318,6 @@ def parallelize(
         compile,
         autocast_dtype,
         param_dtype,
-        create_block_mask,
         pad_multiple=pad_multiple(compile),
         data_parallel=parallel,
     )

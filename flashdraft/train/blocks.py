@@ -22,6 +22,7 @@ from torch import Tensor
 
 from flashdraft.data.tokens import TokenBatch, to_device
 from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
+from flashdraft.model.block_mask import dflash_block_mask
 
 
 @dataclass
@@ -222,18 +223,18 @@ def dense_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind]) -> dic
     return masks
 
 
-def flex_block_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind], create_block_mask) -> dict:
+def flex_block_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind]) -> dict:
     """One BlockMask per distinct layer kind, H=1 (broadcast over heads: H=num_heads OOMs at long
-    context), built once per batch and reused by every layer. `create_block_mask` is the compiled
-    builder handed in by flashdraft/distributed/parallelize.py."""
-    b, n = blocks.anchors.shape
-    q_len = n * blocks.block_size
+    context), built once per batch from the rule's intervals (flashdraft/model/block_mask.py: no
+    compile, no sync) and reused by every layer."""
     masks = {}
     for kind in set(kinds):
         mod = flex_mask_mod(blocks.anchors, blocks.keep, ctx_len, blocks.block_size, kind)
         if blocks.doc_starts is not None:
             mod = _within_document(mod, blocks.doc_starts, ctx_len, blocks.block_size)
-        masks[kind.key] = create_block_mask(mod, b, 1, q_len, ctx_len + q_len, device=blocks.anchors.device)
+        masks[kind.key] = dflash_block_mask(
+            blocks.anchors, blocks.keep, ctx_len, blocks.block_size, kind, mod, blocks.doc_starts
+        )
     return masks
 
 

@@ -7,7 +7,6 @@ Shared by the trainer, the held-out evaluation and the benchmark, so all three m
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +47,10 @@ class Objective:
         loss: WeightedHeadLoss,
         anchors: str = "per_row",
         attention: str = "sdpa",
-        create_block_mask: Callable | None = None,
         autocast_dtype: torch.dtype | None = None,
         position_weight: str = "decay",
         dpace_alpha: float = 0.5,
     ):
-        if attention == "flex" and create_block_mask is None:
-            raise ValueError("flex attention needs the compiled create_block_mask from parallelize")
         if position_weight not in POSITION_WEIGHTS:
             raise ValueError(f"position_weight={position_weight!r}; expected one of {POSITION_WEIGHTS}")
         if anchors not in ("per_row", "budget"):
@@ -66,7 +62,6 @@ class Objective:
         self.gamma = gamma
         self.loss = loss
         self.attention = attention
-        self.create_block_mask = create_block_mask
         self.autocast_dtype = autocast_dtype
         self.position_weight = position_weight
         self.dpace_alpha = dpace_alpha
@@ -98,7 +93,7 @@ class Objective:
     def masks(self, blocks: BlockBatch, ctx_len: int) -> dict:
         kinds = self.drafter.layer_kinds()
         if self.attention == "flex":
-            return flex_block_masks(blocks, ctx_len, kinds, self.create_block_mask)
+            return flex_block_masks(blocks, ctx_len, kinds)
         return dense_masks(blocks, ctx_len, kinds)
 
     def __call__(

@@ -5,10 +5,12 @@
   as `clip_grad_norm_` + step, one pass over all gradients fewer.
 - bf16 parameters with fp32 master weights (the GPU default): the model holds bf16 weights, so the
   forward pass casts nothing and the backward pass writes bf16 gradients; this optimizer keeps fp32
-  master weights and moments and updates them in one fused elementwise pass per tensor that also
-  writes the new bf16 weights (28 bytes per parameter, against 46 for fp32 weights under autocast:
-  the per-step weight casts and fp32 gradient copies disappear). Gradients of several micro-batches,
-  or of several ranks, are summed in fp32, not in bf16.
+  master weights and moments, updates them with torch's fused AdamW kernel (one multi-tensor launch
+  for all of a group's tensors, the clip folded into its `grad_scale`) and copies the new bf16
+  weights out in one more. Gradients of several micro-batches, or of several ranks, are summed in
+  fp32, not in bf16. No part of it is compiled: a compiled update cost the first step 9.6 s of
+  compiling on the H200 for a one-layer drafter, and its dynamo tracing grows with the tensor count
+  (docs/performance.md, "The first step").
 
 Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
 `gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
@@ -18,11 +20,12 @@ step, or instead of a skipped one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.optim.adamw import adamw
 
 MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -96,57 +99,8 @@ class ClippedAdamW(torch.optim.AdamW):
         self.zero_grad(set_to_none=True)
 
 
-def adamw_update(
-    param: Tensor,
-    grad: Tensor,
-    master: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    hyper: Tensor,
-    grad_multiplier: Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """One AdamW update of a flat fp32 master tensor and its moments; writes the rounded `param` too.
-
-    `hyper` = [lr, 1 - beta1^t, sqrt(1 - beta2^t)] and `grad_multiplier` (the clip factor) are device
-    tensors, so a compiled version of this function neither recompiles nor syncs as they change.
-    Same arithmetic as torch.optim.AdamW (decoupled decay, bias-corrected moments).
-    """
-    lr, bias_correction1, bias_correction2_sqrt = hyper[0], hyper[1], hyper[2]
-    g = grad.float() * grad_multiplier
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    master.sub_(exp_avg / denom * (lr / bias_correction1))
-    param.copy_(master)
-
-
-def adamw_update_all(
-    params: list[Tensor],
-    grads: list[Tensor],
-    masters: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    *settings: Tensor | float,
-) -> None:
-    """`adamw_update` over every tensor of a parameter group (flat views); `settings` are its own (hyper,
-    grad_multiplier, beta1, beta2, eps, weight_decay). Compiled, the whole group is one call: one guard
-    check and the generated kernels' launches, where one compiled call per tensor cost ~0.3 ms of host
-    time each (18 ms a step for a 58-tensor drafter, more than its kernels: measured on the H200,
-    docs/benchmarks.md)."""
-    for tensors in zip(params, grads, masters, exp_avgs, exp_avg_sqs, strict=True):
-        adamw_update(*tensors, *settings)
-
-
 class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums.
-
-    `update` is `adamw_update_all` or a compiled version of it (`make_optimizer` decides).
-    """
+    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums."""
 
     def __init__(
         self,
@@ -156,10 +110,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        update: Callable = adamw_update_all,
     ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        self.update = update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
         # The step's gradients once gathered (fp32 sums or the params' own .grad), reused by grad_norm(),
@@ -171,6 +123,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 master=p.detach().float().clone(),
                 exp_avg=torch.zeros_like(p, dtype=torch.float32),
                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32),
+                # the fused kernel reads the step count from a device tensor per parameter, and its
+                # wrapper increments them: no host value enters the update, so nothing syncs
+                step=torch.zeros((), dtype=torch.float32, device=p.device),
             )
 
     def accumulate_gradients(self) -> None:
@@ -226,34 +181,32 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def step(self, closure=None) -> None:
         grads = self.gradients()
         self.steps += 1
+        # clip_grad_norm_'s factor as the fused kernel's grad_scale, which it divides by (a device scalar)
+        scale = self._grad_multiplier.reciprocal() if self._grad_multiplier is not None else None
         i = 0
         for group in (g for g in self.param_groups if g["params"]):
-            beta1, beta2 = group["betas"]
-            first = group["params"][0]
-            values = torch.tensor(
-                [group["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32
-            )
-            if first.device.type == "cuda":  # pinned + non-blocking: no host-device sync
-                values = values.pin_memory()
-            hyper = values.to(first.device, non_blocking=True)
-            multiplier = (
-                self._grad_multiplier
-                if self._grad_multiplier is not None
-                else torch.ones((), device=first.device)
-            )
             params = group["params"]
             states = [self.state[p] for p in params]
-            self.update(
-                [p.view(-1) for p in params],
-                [g.reshape(-1) for g in grads[i : i + len(params)]],
-                *([state[k].view(-1) for state in states] for k in MASTER_STATE),
-                hyper,
-                multiplier,
-                beta1,
-                beta2,
-                group["eps"],
-                group["weight_decay"],
+            masters = [state["master"] for state in states]
+            beta1, beta2 = group["betas"]
+            adamw(
+                masters,
+                [g if g.dtype == torch.float32 else g.float() for g in grads[i : i + len(params)]],
+                [state["exp_avg"] for state in states],
+                [state["exp_avg_sq"] for state in states],
+                [],
+                [state["step"] for state in states],
+                fused=True,
+                grad_scale=scale,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
             )
+            torch._foreach_copy_(params, masters)  # the model's weights: the masters, rounded
             for state in states:
                 state.pop("grad_sum", None)
             i += len(params)
@@ -287,6 +240,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                         f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}"
                     )
                 self.state[p][k].copy_(entry[k])
+            self.state[p]["step"].fill_(state_dict["steps"])
             with torch.no_grad():
                 p.copy_(self.state[p]["master"])
         for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
@@ -294,16 +248,13 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.steps = state_dict["steps"]
 
 
-def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, compile: bool = False):
-    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW,
-    whose update is compiled with `compile` (one call per parameter group, one fused kernel per tensor;
-    dynamic shapes, so one kernel serves every parameter's size)."""
+def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float):
+    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW."""
     if all(p.dtype == torch.float32 for p in params):
         # FSDP2's shards (DTensors) take the foreach kernels: the fused one's grad_scale is a plain tensor
         fused = params[0].device.type == "cuda" and not isinstance(params[0], DTensor)
         return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
-    update = torch.compile(adamw_update_all, fullgraph=True, dynamic=True) if compile else adamw_update_all
-    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, update=update)
+    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def named_optimizer_state(state: dict, names: list[str]) -> dict:

@@ -364,7 +364,6 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             loss=loss_fn,
             anchors=t.anchors,
             attention=placement.attention,
-            create_block_mask=placement.create_block_mask,
             autocast_dtype=placement.autocast_dtype,
             position_weight=t.position_weight,
             dpace_alpha=t.dpace_alpha,
@@ -376,9 +375,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
-    optimizer = make_optimizer(
-        list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
-    )
+    optimizer = make_optimizer(list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay)
     # train.max_minutes: a budget of training time (step time only; evaluation, checkpoint writes and steps
     # that compiled are not counted), and under it the schedule runs over the budget (train/budget.py).
     budget_seconds = t.max_minutes * 60

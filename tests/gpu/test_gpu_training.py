@@ -56,7 +56,6 @@ def test_compiled_flex_equals_sdpa_loss_and_grads(qwen3_target, sliding):
             gamma=3.0,
             loss=loss_fn,
             attention=placement.attention,
-            create_block_mask=placement.create_block_mask,
         )
         batch = token_batch([200, 130], prompt_lengths=[10, 20], seq_len=256).to(CUDA)
         out = objective(batch)
@@ -83,9 +82,7 @@ def test_eager_flex_attention_is_an_error(qwen3_target):
         MASK_ID,
         3.0,
     )
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    masks = flex_block_masks(blocks, 64, drafter.layer_kinds(), create_block_mask)
+    masks = flex_block_masks(blocks, 64, drafter.layer_kinds())
     with pytest.raises(FlashdraftError, match=r"outside torch\.compile"):
         drafter(
             target.embed(blocks.block_ids),
@@ -107,7 +104,6 @@ def test_recompile_storm_is_an_error_not_a_fallback(qwen3_target):
         gamma=3.0,
         loss=loss_fn,
         attention="flex",
-        create_block_mask=placement.create_block_mask,
         autocast_dtype=torch.bfloat16,
     )
     with (
@@ -229,7 +225,6 @@ def test_a_compiled_step_never_waits_for_the_gpu(qwen3_target):
         gamma=3.0,
         loss=WeightedHeadLoss(chunk=64, compile=placement.compiled),
         attention=placement.attention,
-        create_block_mask=placement.create_block_mask,
     )
     host_batch = token_batch([200, 130], prompt_lengths=[10, 20], seq_len=256)
     for attempt in range(3):  # the first calls compile (which may synchronise); the last is a plain step

@@ -74,7 +74,6 @@ def test_compiled_flex_equals_sdpa(qwen3_target, arch, loss, weighting, sliding)
             gamma=3.0,
             loss=WeightedHeadLoss(chunk=64, loss=loss, compile=placement.compiled),
             attention=placement.attention,
-            create_block_mask=placement.create_block_mask,
             position_weight=weighting,
         )
         objective.selector_weight = 0.5

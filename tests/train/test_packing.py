@@ -195,7 +195,7 @@ def test_the_packed_loss_equals_each_sample_alone_with_the_same_anchors(qwen3_ta
 @pytest.mark.parametrize("sliding", [False, True])
 def test_the_flex_block_mask_keeps_the_document_rule_of_the_dense_mask(qwen3_target, samples_file, sliding):
     """Flex attention runs only compiled (not on this CPU); its mask_mod, evaluated everywhere, must equal the
-    dense mask the loss test above checks."""
+    dense mask the loss test above checks (its tiles equal create_block_mask's: tests/model/test_block_mask.py)."""
     from torch.nn.attention.flex_attention import create_mask
 
     kwargs = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
@@ -205,23 +205,18 @@ def test_the_flex_block_mask_keeps_the_document_rule_of_the_dense_mask(qwen3_tar
     s = packed.input_ids.shape[1]
     kinds = drafter.layer_kinds()
 
-    def evaluate_everywhere(mod, b, h, q, kv, device):
-        return create_mask(mod, b, h, q, kv, device=device)
-
-    flex = flex_block_masks(blocks, s, kinds, evaluate_everywhere)
+    flex = flex_block_masks(blocks, s, kinds)
     dense = dense_masks(blocks, s, kinds)
     assert flex.keys() == dense.keys()
     for key in dense:
-        assert torch.equal(flex[key], dense[key]), key
+        b, _, q, kv = dense[key].shape
+        assert torch.equal(create_mask(flex[key].mask_mod, b, 1, q, kv, device="cpu"), dense[key]), key
 
 
 @pytest.mark.slow
 def test_compiled_flex_attention_gives_the_packed_loss_of_the_dense_mask(qwen3_target, samples_file):
     """Flex attention on the CPU: forward only (no CPU backward in torch), compiled drafter layers (eager flex
-    would materialise dense scores and is refused), the BlockMask built eagerly (the compiled builder does not
-    compile on the CPU). About a minute of compilation."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    would materialise dense scores and is refused), the BlockMask built from the rule's intervals. About a minute of compilation."""
     drafter, target = tiny_pair(qwen3_target, block_size=BLOCK)
     packed, _ = packed_and_alone(samples_file, [[0, 1, 3], [2]])
     dense = Objective(drafter, target, num_anchors=5, gamma=GAMMA, loss=WeightedHeadLoss())
@@ -238,7 +233,6 @@ def test_compiled_flex_attention_gives_the_packed_loss_of_the_dense_mask(qwen3_t
                 gamma=GAMMA,
                 loss=WeightedHeadLoss(),
                 attention="flex",
-                create_block_mask=create_block_mask,
             )
             got = flex(packed, blocks)
     finally:
