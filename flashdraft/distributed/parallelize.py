@@ -251,18 +251,6 @@ def guard_compile(num_layers: int) -> None:
     warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
 
-def start_compile_workers() -> None:
-    """Start inductor's compile worker processes now, in the background. Until they are up, inductor
-    compiles the first step's kernels one by one in this process; torch starts them at the first compile,
-    and starting them before the target and the data load lets their start-up overlap that work (the time
-    to the first step: docs/shards.md). A no-op where torch would use no pool (no Triton, one thread)."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # a torch without it starts the pool itself, at the first compile
-        return
-    maybe_warm_pool()
-
-
 def parallelize(
     drafter: DFlashDraftModel,
     *,

@@ -52,9 +52,17 @@ def run_job(path: str | None, overrides: list[str]) -> dict:
         sys.stdout.reconfigure(line_buffering=True)
     heartbeat.beat("starting", force=True)
     try:
+        config = load_config(path, overrides)
+        if config.train.compile and config.distributed.mode != "split":
+            # every rank of a colocated run compiles the drafter: start the compile workers before the
+            # trainer's imports (seconds), which their own start-up then overlaps; a split run's target
+            # ranks compile nothing, so there the trainer starts them once a rank knows its role
+            from flashdraft.distributed.compile_workers import on_cuda, start_compile_workers
+
+            if on_cuda(config.train.device):
+                start_compile_workers()
         from flashdraft.train.trainer import train
 
-        config = load_config(path, overrides)
         result = train(config, heartbeat=heartbeat)
     except FlashdraftError as exc:
         heartbeat.error(exc, "")

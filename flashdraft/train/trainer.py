@@ -40,13 +40,13 @@ from flashdraft.data.tokens import (
     iterate_batches,
     load_token_dataset,
 )
+from flashdraft.distributed.compile_workers import start_compile_workers
 from flashdraft.distributed.parallelize import (
     full_state_dicts,
     load_sharded_optimizer,
     pad_multiple,
     parallelize,
     resolve_data_parallel,
-    start_compile_workers,
     unsharded_copy,
 )
 from flashdraft.distributed.split import (

@@ -263,7 +263,7 @@ def test_the_compiled_loss_is_one_graph_for_every_row_count():
 def test_compile_workers_are_up_before_the_first_compile():
     from torch._inductor.async_compile import AsyncCompile
 
-    from flashdraft.distributed.parallelize import start_compile_workers
+    from flashdraft.distributed.compile_workers import start_compile_workers
 
     start_compile_workers()
     AsyncCompile.wait_pool_ready(timeout=180)
