@@ -49,7 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = {name: profile(statement) for name, statement in STATEMENTS.items()}
+    result: dict = {name: profile(statement) for name, statement in STATEMENTS.items()}
     cuda = subprocess.run(
         [
             sys.executable,
@@ -69,8 +69,12 @@ def main() -> None:
         )
     print("cuda init", result["cuda_init_s"])
     if args.out:
+        from flashdraft.bench.provenance import provenance  # imported here: after the timed children
+
+        record = provenance("import-probe", None)
+        record.update(benchmark="benchmarks/import_probe.py", command=" ".join(["python3", *sys.argv]))
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**record, **result}, f, indent=1)
 
 
 if __name__ == "__main__":

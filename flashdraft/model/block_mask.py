@@ -4,7 +4,7 @@ flex_attention skips the 128 x 128 tiles of the score matrix that a BlockMask ma
 mask_mod only inside partly visible tiles, and skips it in fully visible ones. torch's
 `create_block_mask` finds those tiles by evaluating the mask_mod on every (query, key) pair; eagerly
 that materialises the dense mask, so training compiled it, and that compile cost the first step 11.1 s
-on the H200 (docs/performance.md, "The first step").
+on the H200 (docs/shards.md, "The first step").
 
 The DFlash rule (flashdraft/model/attention.py) needs no such search: every query row sees at most two
 intervals of keys, one of context and one inside its own block. The number of visible pairs of a tile

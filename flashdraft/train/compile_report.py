@@ -1,5 +1,5 @@
 """Where a compiling step's time went: the graphs torch.compile built during it, each with its forward
-and its backward compile seconds (docs/performance.md, "The first step").
+and its backward compile seconds (docs/shards.md, "The first step").
 
 A user whose first step takes 40 s sees which code paid for it (the drafter layer, the block-mask
 builder, the loss, the optimizer step) instead of one number. The records are dynamo's own

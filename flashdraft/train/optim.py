@@ -10,7 +10,7 @@
   weights out in one more. Gradients of several micro-batches, or of several ranks, are summed in
   fp32, not in bf16. No part of it is compiled: a compiled update cost the first step 9.6 s of
   compiling on the H200 for a one-layer drafter, and its dynamo tracing grows with the tensor count
-  (docs/performance.md, "The first step").
+  (docs/shards.md, "The first step").
 
 Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
 `gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
