@@ -28,6 +28,7 @@
 #   packing: bench train --data on log-normal lengths, packing on and off (docs/packing.md)
 #   newtests: this round's gpu-marked tests (the compiled loss's one graph, early compile workers, the no-sync
 #          step, the static engine with row groups and its capture widths)
+#   regen-large: after real-setup, bench regen on REGEN_PROMPTS (8,000) stdlib prompts built on the machine
 #   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl);
 #          REGEN_FLAGS="--device cuda:0" for one GPU against the one-GPU baseline; ENGINES="static hf"
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
@@ -148,6 +149,15 @@ case "${1:-tests}" in
       grep -v -i warn "$out/regen_$engine.log" | tail -12
       baseline=--skip-baseline
     done ;;
+  regen-large)
+    # after real-setup: bench regen where start-up is amortised, REGEN_PROMPTS (default 8,000) prompts built
+    # from this machine's standard library (the 2,000 of `regen` come from the CPU machine's)
+    python3 -c "from flashdraft.data.stdlib_prompts import write_prompt_files as w
+print(w('$REAL/prompts_large.jsonl', '$REAL/prompts_large_eval.jsonl', ${REGEN_PROMPTS:-8000}, 64))"
+    python3 -m flashdraft bench regen --target $REAL/smollm2 --prompts $REAL/prompts_large.jsonl \
+      --max-new-tokens 256 --baseline-batch 500 --engine static --device cuda:0 \
+      --out "$out/regen_h200_real_large.json" > "$out/regen_large.log" 2>&1
+    grep -v -i warn "$out/regen_large.log" | tail -12 ;;
   tests)
     python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests.log" | tail -8
     python3 -c "
