@@ -149,7 +149,8 @@ def time_train(
     command's start to its first optimizer step's metrics row, its peak resident memory, its start-up line,
     and where the time before the first step went: `before_set_up_s` (the interpreter, the imports, CUDA's
     start), `set_up_s` (the command's own set-up, from that line) and `first_step_s` (the first step, with
-    the compiles it waited for, graph by graph under `compiled`). torch's compile caches are `compile_cache` (inductor's and Triton's)."""
+    the compiles it waited for, graph by graph under `compiled`). torch's compile caches are
+    `compile_cache` (inductor's and Triton's)."""
     if target is None:  # Qwen3's vocabulary (the set's ids), two small layers: the data path dominates
         from flashdraft.bench.tiny import save_tiny_target
 

@@ -319,7 +319,9 @@ def build_training(args, drafter_config, target: TargetModel, gamma: float):
         target,
         num_anchors=args.num_anchors,
         gamma=gamma,
-        loss=WeightedHeadLoss(chunk=1024, multiplier=drafter.spec.output_multiplier),
+        loss=WeightedHeadLoss(
+            chunk=1024, multiplier=drafter.spec.output_multiplier, compile=placement.compiled
+        ),
         anchors=args.anchors,
         attention=placement.attention,
         autocast_dtype=placement.autocast_dtype,

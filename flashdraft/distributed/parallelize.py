@@ -4,8 +4,8 @@ checkpointing; it knows the model and the run's settings, nothing of the trainer
 Model code stays plain single-device PyTorch; this module applies, in order (as torchtitan does):
 parameter precision (bf16 weights with fp32 master weights in the optimizer, or fp32 weights under
 bf16 autocast), activation checkpointing per drafter layer, then torch.compile per layer (fullgraph),
-under compile settings that make every silent degradation an
-error. `Placement.compiled` tells the loss to compile its own kernels. Compilation
+under compile settings that make every silent degradation an error. `Placement.compiled` tells the
+loss to compile its own kernels (the BlockMask needs no compile: model/block_mask.py). Compilation
 happens on the calling (main) thread of a process that owns one GPU: torch.compile is not thread-safe,
 and a racing or failed compile must never fall back silently to dense attention (docs/processes.md).
 

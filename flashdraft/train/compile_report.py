@@ -1,8 +1,8 @@
 """Where a compiling step's time went: the graphs torch.compile built during it, each with its forward
 and its backward compile seconds (docs/shards.md, "The first step").
 
-A user whose first step takes 40 s sees which code paid for it (the drafter layer, the block-mask
-builder, the loss, the optimizer step) instead of one number. The records are dynamo's own
+A user whose first step takes 40 s sees which code paid for it (the drafter layer, the loss) instead of
+one number. The records are dynamo's own
 (`torch._dynamo.utils.get_compilation_metrics`): one per compiled frame, and one per lazily compiled
 backward, which carries its forward's compile id but no name.
 """
