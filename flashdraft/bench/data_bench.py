@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flashdraft.config import DEFAULT_NUM_LAYERS
 from flashdraft.durable import atomic_write_json
 from flashdraft.train.metrics import read_metrics
 
@@ -151,17 +152,19 @@ def time_train(
     start), `set_up_s` (the command's own set-up, from that line) and `first_step_s` (the first step, with
     the compiles it waited for, graph by graph under `compiled`). torch's compile caches are
     `compile_cache` (inductor's and Triton's)."""
-    if target is None:  # Qwen3's vocabulary (the set's ids), two small layers: the data path dominates
+    if target is None:  # Qwen3's vocabulary (the set's ids), small layers: the data path dominates
         from flashdraft.bench.tiny import save_tiny_target
 
-        target = str(root / "target")
+        # enough layers for the drafter's default feature layers (1 to L-3, one per drafter layer)
+        layers = max(2, args.drafter_layers + 3)
+        target = str(root / f"target-{layers}-layers")
         if not (Path(target) / "config.json").is_file():
-            save_tiny_target(target, vocab_size=VOCAB, hidden_size=64, num_layers=2)
+            save_tiny_target(target, vocab_size=VOCAB, hidden_size=64, num_layers=layers)
     run = root / "run"
     shutil.rmtree(run, ignore_errors=True)
     overrides = {
         "model.target": target,
-        "model.num_layers": 1,
+        "model.num_layers": args.drafter_layers,
         "model.mask_token_id": VOCAB - 1,
         "data.train": f"[{shards}]",
         "data.max_length": args.max_length,
@@ -232,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train", action="store_true", help="also time `flashdraft train` on the set")
     parser.add_argument(
         "--train-target", default=None, help="with --train: the target (default: a small random one)"
+    )
+    parser.add_argument(
+        "--drafter-layers",
+        type=int,
+        default=DEFAULT_NUM_LAYERS,
+        help=f"with --train: the drafter's layers (default {DEFAULT_NUM_LAYERS}, a new drafter's default; "
+        "layer 0 compiles apart from the others, its input needing no gradient)",
     )
     parser.add_argument("--out", default=None, help="write the result JSON here")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the measuring child process
