@@ -9,15 +9,6 @@ opening (the time to the first step: docs/shards.md). Kept apart from `paralleli
 
 from __future__ import annotations
 
-import torch
-
-
-def on_cuda(device: str) -> bool:
-    """Whether `train.device` resolves to a GPU (as `resolve_device` does, without touching CUDA)."""
-    if device == "auto":
-        return torch.cuda.is_available()
-    return torch.device(device).type == "cuda"
-
 
 def start_compile_workers() -> None:
     """Start the workers now, in the background; calling it again is a no-op. A no-op where torch would

@@ -225,15 +225,6 @@ class Placement:
     data_parallel: DataParallel  # what the objective calls, and how gradients meet across ranks
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FlashdraftError(f"train.device={name}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver?)")
-    return device
-
-
 def pad_multiple(compiled: bool) -> int:
     """Sequence lengths are padded to this so compiled shapes repeat (the split topology's target side
     pads alike, so both sides collate the same shapes)."""

@@ -85,17 +85,18 @@ def dflash_block_mask(
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
     q_tiles, kv_tiles = -(-q_len // TILE), -(-kv_len // TILE)
-    ctx_lo, ctx_hi, blk_lo, blk_hi = _row_intervals(anchors, keep, doc_starts, ctx_len, block_size, kind)
-
     pad = q_tiles * TILE - q_len  # padded query rows see nothing
-    bounds = [torch.nn.functional.pad(t, (0, pad)) for t in (ctx_lo, ctx_hi, blk_lo, blk_hi)]
+    ctx_lo, ctx_hi, blk_lo, blk_hi = (
+        torch.nn.functional.pad(bound, (0, pad))
+        for bound in _row_intervals(anchors, keep, doc_starts, ctx_len, block_size, kind)
+    )
     tile_lo = torch.arange(kv_tiles, device=anchors.device) * TILE
     tile_hi = (tile_lo + TILE).clamp(max=kv_len)  # padded keys are never visible
 
     def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # [b, Q] intervals against every tile: [b, Q, kv_tiles]
         return (torch.minimum(hi[..., None], tile_hi) - torch.maximum(lo[..., None], tile_lo)).clamp(min=0)
 
-    visible = overlap(bounds[0], bounds[1]) + overlap(bounds[2], bounds[3])
+    visible = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_hi)
     per_tile = visible.view(b, 1, q_tiles, TILE, kv_tiles).sum(dim=3)  # [b, 1, q_tiles, kv_tiles]
     full = per_tile == TILE * TILE
     partial = (per_tile > 0) & ~full

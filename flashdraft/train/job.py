@@ -57,9 +57,10 @@ def run_job(path: str | None, overrides: list[str]) -> dict:
             # every rank of a colocated run compiles the drafter: start the compile workers before the
             # trainer's imports (seconds), which their own start-up then overlaps; a split run's target
             # ranks compile nothing, so there the trainer starts them once a rank knows its role
-            from flashdraft.distributed.compile_workers import on_cuda, start_compile_workers
+            from flashdraft.distributed.compile_workers import start_compile_workers
+            from flashdraft.distributed.topology import resolve_device
 
-            if on_cuda(config.train.device):
+            if resolve_device(config.train.device).type == "cuda":
                 start_compile_workers()
         from flashdraft.train.trainer import train
 
