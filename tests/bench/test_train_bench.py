@@ -71,3 +71,38 @@ def test_a_half_written_last_line_is_left_out(tmp_path):
     metrics.write_text(json.dumps({"kind": "train", "step": 1}) + '\n{"kind": "train", "st')
     assert read_metrics(metrics, "train") == [{"kind": "train", "step": 1}]
     assert read_metrics(tmp_path / "absent.jsonl", "train") == []
+
+
+def test_the_phase_timer_wraps_the_objectives_own_calls_and_restores_them(qwen3_target):
+    """`bench train`'s breakdown times the objective's real block-mask, drafter and head-loss calls;
+    afterwards the objective is exactly as before (its methods, not the timing wrappers)."""
+    from flashdraft.train.loss import WeightedHeadLoss
+    from flashdraft.train.objective import Objective
+
+    from ..train.helpers import tiny_pair, token_batch
+
+    drafter, target = tiny_pair(qwen3_target, block_size=4)
+    objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=WeightedHeadLoss(chunk=7))
+    batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
+    opened, closed = [], []
+
+    class RecordingTimer:
+        def span(self, name):
+            class Span:
+                def __enter__(self):
+                    opened.append(name)
+
+                def __exit__(self, *exc):
+                    closed.append(name)
+
+            return Span()
+
+    with train_bench.timed_phases(objective, RecordingTimer()):
+        out = objective(batch)
+    phases = {"block_mask", "drafter_forward", "lm_head_loss_fwd_and_grad"}
+    assert set(opened) == phases and sorted(opened) == sorted(closed)
+    assert torch.isfinite(out.loss_sum)
+    assert "masks" not in vars(objective) and "rows" not in vars(objective.loss)
+    spans = len(opened)
+    objective(batch)  # the restored objective runs untimed
+    assert len(opened) == spans
