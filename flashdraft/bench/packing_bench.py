@@ -326,5 +326,7 @@ def build_training(args, drafter_config, target: TargetModel, gamma: float):
         attention=placement.attention,
         autocast_dtype=placement.autocast_dtype,
     )
-    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0)
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
+    )
     return objective, optimizer, placement.pad_multiple

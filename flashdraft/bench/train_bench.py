@@ -125,7 +125,9 @@ def run_shape(
         attention=placement.attention,
         autocast_dtype=placement.autocast_dtype,
     )
-    optimizer = make_optimizer(list(drafter.parameters()), lr=6e-4, weight_decay=0.0)
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
+    )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()

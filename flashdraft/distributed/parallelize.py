@@ -231,6 +231,17 @@ def pad_multiple(compiled: bool) -> int:
     return 256 if compiled else 1
 
 
+def block_input_needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of a compiled drafter: in training, the embedded blocks (the first layer's input)
+    ask for a gradient. Every later layer's input has one, and a compiled layer is specialised on it: without
+    this hook the first step compiles the layer twice (6 s of a 5-layer drafter's 20 s first step on the
+    H200). The price is layer 0's input gradient, one GEMM of the block rows per step (docs/shards.md,
+    "The first step")."""
+    if not torch.is_grad_enabled() or not args or args[0].requires_grad:
+        return None
+    return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+
+
 def guard_compile(num_layers: int) -> None:
     """Make every silent compile degradation loud (docs/processes.md)."""
     cfg = torch._dynamo.config
@@ -288,6 +299,7 @@ def parallelize(
         guard_compile(len(drafter.layers))
         for layer in drafter.layers:
             layer.compile(fullgraph=True)
+        drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
     parallel = apply_data_parallel(
         drafter, data_parallel, device, bf16_compute=bf16_compute, group=group, bucket_mb=bucket_mb
     )

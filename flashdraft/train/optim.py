@@ -5,12 +5,14 @@
   as `clip_grad_norm_` + step, one pass over all gradients fewer.
 - bf16 parameters with fp32 master weights (the GPU default): the model holds bf16 weights, so the
   forward pass casts nothing and the backward pass writes bf16 gradients; this optimizer keeps fp32
-  master weights and moments, updates them with torch's fused AdamW kernel (one multi-tensor launch
-  for all of a group's tensors, the clip folded into its `grad_scale`) and copies the new bf16
-  weights out in one more. Gradients of several micro-batches, or of several ranks, are summed in
-  fp32, not in bf16. No part of it is compiled: a compiled update cost the first step 9.6 s of
-  compiling on the H200 for a one-layer drafter, and its dynamo tracing grows with the tensor count
-  (docs/shards.md, "The first step").
+  master weights and moments. Each parameter group lives in flat buffers (the model's weights become
+  views of them), so one compiled elementwise kernel updates masters and moments and writes the new bf16
+  weights for the whole group: 28 bytes per parameter, plus 4 to gather the gradients into the flat
+  buffer. Measured on the H200 (docs/benchmarks.md): torch's fused AdamW, which needs fp32 gradients
+  and a separate copy out, took 16.6 ms a step for a 1.05B-parameter drafter against 8.5 ms for a
+  compiled update; and a compiled update over a list of tensors took 9.6 s to compile for a one-layer
+  drafter, growing with the tensor count, where the flat one is the same small graph for any drafter.
+  Gradients of several micro-batches, or of several ranks, are summed in fp32, not in bf16.
 
 Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
 `gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
@@ -25,7 +27,6 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.optim.adamw import adamw
 
 MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -99,8 +100,100 @@ class ClippedAdamW(torch.optim.AdamW):
         self.zero_grad(set_to_none=True)
 
 
+def adamw_update(
+    grad: Tensor,
+    weights: Tensor,
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    hyper: Tensor,
+    grad_multiplier: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update of flat fp32 masters and moments that also writes the rounded `weights`.
+
+    `hyper` = [lr, 1 - beta1^t, sqrt(1 - beta2^t)] and `grad_multiplier` (the clip factor) are device
+    tensors, so the compiled version neither recompiles nor syncs as they change. The same arithmetic
+    as torch.optim.AdamW (decoupled decay, bias-corrected moments). Compiled, it is one elementwise
+    kernel over the whole group: 28 bytes per parameter with bf16 gradients.
+    """
+    lr, bias_correction1, bias_correction2_sqrt = hyper[0], hyper[1], hyper[2]
+    g = grad.float() * grad_multiplier
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.sub_(exp_avg / denom * (lr / bias_correction1))
+    weights.copy_(master)
+
+
+# Each parameter's slot in the flat buffers starts on a multiple of this many elements (256 bytes of
+# fp32, 128 of bf16), so the model's weights stay as aligned as separately allocated tensors.
+SLOT_ALIGN = 64
+
+
+class FlatGroup:
+    """One parameter group laid out in flat buffers: the model's low-precision weights (each parameter
+    becomes a view of its slot), fp32 masters and moments, and the step's gradients, gathered into one
+    buffer. One update call then covers the whole group, whatever its tensor count."""
+
+    def __init__(self, params: list[Tensor]):
+        first = params[0]
+        for p in params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError(
+                    f"a master-weight parameter group holds one dtype on one device, got {p.dtype} on {p.device} "
+                    f"beside {first.dtype} on {first.device}"
+                )
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.offsets, total = [], 0
+        for n in self.numels:
+            self.offsets.append(total)
+            total += -(-n // SLOT_ALIGN) * SLOT_ALIGN
+        # allocated now: an out-of-memory shows at start-up, not at the first step. The gaps between
+        # slots stay zero in every buffer (zero gradient, zero master), so they never change anything.
+        self.weights = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.master = torch.zeros(total, dtype=torch.float32, device=first.device)
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad = torch.zeros_like(self.weights)  # the step's gradients, when they are not summed
+        self.grad_sum: Tensor | None = None  # fp32 sums of micro-batches or ranks, allocated on first use
+        with torch.no_grad():
+            for p, weight, master in zip(
+                params, self.slots(self.weights), self.slots(self.master), strict=True
+            ):
+                weight.copy_(p)
+                master.copy_(p)
+                p.data = weight  # the model computes with the slot the update writes
+        self.pointers = [p.data_ptr() for p in params]
+
+    def slots(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's slot of a flat buffer, shaped as the parameter."""
+        return [
+            flat[o : o + n].view(p.shape)
+            for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)
+        ]
+
+    def check_bound(self) -> None:
+        """The update writes the slots; a parameter whose tensor was replaced since (a `load_state_dict` with
+        `assign=True`, a `.to()` of the model) would silently stop training: refuse instead."""
+        for p, pointer in zip(self.params, self.pointers, strict=True):
+            if p.data_ptr() != pointer:
+                raise RuntimeError(
+                    f"a drafter parameter of shape {tuple(p.shape)} no longer lives in the master-weight optimizer's "
+                    "flat weight buffer (its tensor was replaced after the optimizer was built); build the "
+                    "optimizer after the last change to the model's parameters"
+                )
+
+
 class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums."""
+    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums, each
+    parameter group in flat buffers (`FlatGroup`). `compile` (CUDA) compiles the update into one kernel
+    per group."""
 
     def __init__(
         self,
@@ -110,63 +203,82 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        compile: bool = False,
     ):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        # one graph of a few flat tensors: compiling it takes seconds whatever the drafter's size
+        self.update = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile else adamw_update
         self.steps = 0
         self._grad_multiplier: Tensor | None = None
-        # The step's gradients once gathered (fp32 sums or the params' own .grad), reused by grad_norm(),
-        # the all-reduce and step() until the next micro-batch, step or discard: gathered once per step.
+        self.groups = [FlatGroup(group["params"]) for group in self.param_groups if group["params"]]
+        for group in self.groups:
+            slots = zip(*(group.slots(getattr(group, k)) for k in MASTER_STATE), strict=True)
+            for p, views in zip(group.params, slots, strict=True):
+                self.state[p].update(zip(MASTER_STATE, views, strict=True))
+        # The step's gradients once gathered (fp32 sums or a copy of the params' .grad), reused by
+        # grad_norm(), the all-reduce and step() until the next micro-batch, step or discard.
         self._gathered: list[Tensor] | None = None
-        self._gathered_fp32 = False
-        for p in _params(self):  # allocated now: an out-of-memory shows at start-up, not at the first step
-            self.state[p].update(
-                master=p.detach().float().clone(),
-                exp_avg=torch.zeros_like(p, dtype=torch.float32),
-                exp_avg_sq=torch.zeros_like(p, dtype=torch.float32),
-                # the fused kernel reads the step count from a device tensor per parameter, and its
-                # wrapper increments them: no host value enters the update, so nothing syncs
-                step=torch.zeros((), dtype=torch.float32, device=p.device),
-            )
+        self._summed = False  # the groups' grad_sum buffers hold this step's gradients
 
     def accumulate_gradients(self) -> None:
-        """Move this backward pass's low-precision gradients into fp32 sums (call between micro-batches)."""
+        """Add this backward pass's low-precision gradients to the fp32 sums (call between micro-batches)."""
         self._gathered = None
-        for p in _params(self):
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "grad_sum" in state:
-                state["grad_sum"].add_(p.grad)
-            else:
-                state["grad_sum"] = p.grad.float()
-            p.grad = None
+        for group in self.groups:
+            if group.grad_sum is None:
+                group.grad_sum = torch.zeros_like(group.master)
+            present = [(s, p.grad) for s, p in zip(group.slots(group.grad_sum), group.params, strict=True)]
+            sums = [s for s, g in present if g is not None]
+            grads = [g for _, g in present if g is not None]
+            if self._summed:
+                torch._foreach_add_(sums, grads)
+            else:  # the first backward pass of the step: copy (in fp32), and zero what got no gradient
+                if sums:
+                    torch._foreach_copy_(sums, grads)
+                for s, g in present:
+                    if g is None:
+                        s.zero_()
+            for p in group.params:
+                p.grad = None
+        self._summed = True
 
     def gradients(self, fp32: bool = False) -> list[Tensor]:
-        """The step's gradients: fp32 sums if anything was accumulated (or `fp32`, e.g. before an
-        all-reduce), else the parameters' own `.grad`. Reducing these in place changes the step."""
-        if self._gathered is not None and (self._gathered_fp32 or not fp32):
+        """The step's gradients as views of the groups' flat buffers: the fp32 sums if anything was
+        accumulated (or `fp32`, e.g. before an all-reduce), else a copy of the parameters' own `.grad`
+        (zeros where a parameter got none, so ranks agree). Reducing these in place changes the step."""
+        if self._gathered is not None and (self._summed or not fp32):
             return self._gathered
-        params = _params(self)
-        if fp32 or any("grad_sum" in self.state[p] for p in params):
+        if fp32 or self._summed:
             self.accumulate_gradients()
-            for p in params:  # a parameter without any gradient gets fp32 zeros, so ranks agree
-                if "grad_sum" not in self.state[p]:
-                    self.state[p]["grad_sum"] = torch.zeros_like(p, dtype=torch.float32)
-            self._gathered, self._gathered_fp32 = [self.state[p]["grad_sum"] for p in params], True
-        else:
-            self._gathered, self._gathered_fp32 = _ensure_grads(params), False
+            self._gathered = [s for group in self.groups for s in group.slots(group.grad_sum)]
+            return self._gathered
+        self._gathered = []
+        for group in self.groups:
+            slots = group.slots(group.grad)
+            present = [(s, p.grad) for s, p in zip(slots, group.params, strict=True) if p.grad is not None]
+            if present:
+                torch._foreach_copy_(*map(list, zip(*present, strict=True)))
+            for s, p in zip(slots, group.params, strict=True):
+                if p.grad is None:
+                    s.zero_()
+            self._gathered += slots
         return self._gathered
 
+    def _flat_gradients(self) -> list[Tensor]:
+        self.gradients()
+        return [group.grad_sum if self._summed else group.grad for group in self.groups]
+
     def grad_norm(self) -> Tensor:
-        """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync)."""
-        return global_norm(self.gradients())
+        """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync): one reduction
+        per flat buffer."""
+        norms = [torch.linalg.vector_norm(flat, dtype=torch.float32) for flat in self._flat_gradients()]
+        return torch.linalg.vector_norm(torch.stack(norms))
 
     def discard_gradients(self) -> None:
         """Drop the step's gradients, fp32 sums included (after a step, or instead of a skipped one)."""
         self._gathered = None
+        self._summed = False
         for p in _params(self):
             p.grad = None
-            self.state[p].pop("grad_sum", None)
 
     def clip_and_step(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
         norm = self.grad_norm() if norm is None else norm
@@ -179,38 +291,34 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        grads = self.gradients()
+        flat_grads = self._flat_gradients()
         self.steps += 1
-        # clip_grad_norm_'s factor as the fused kernel's grad_scale, which it divides by (a device scalar)
-        scale = self._grad_multiplier.reciprocal() if self._grad_multiplier is not None else None
-        i = 0
-        for group in (g for g in self.param_groups if g["params"]):
-            params = group["params"]
-            states = [self.state[p] for p in params]
-            masters = [state["master"] for state in states]
-            beta1, beta2 = group["betas"]
-            adamw(
-                masters,
-                [g if g.dtype == torch.float32 else g.float() for g in grads[i : i + len(params)]],
-                [state["exp_avg"] for state in states],
-                [state["exp_avg_sq"] for state in states],
-                [],
-                [state["step"] for state in states],
-                fused=True,
-                grad_scale=scale,
-                amsgrad=False,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
+        settings = (g for g in self.param_groups if g["params"])
+        for group, flat_grad, setting in zip(self.groups, flat_grads, settings, strict=True):
+            group.check_bound()
+            beta1, beta2 = setting["betas"]
+            device = group.master.device
+            values = torch.tensor(
+                [setting["lr"], 1 - beta1**self.steps, (1 - beta2**self.steps) ** 0.5], dtype=torch.float32
             )
-            torch._foreach_copy_(params, masters)  # the model's weights: the masters, rounded
-            for state in states:
-                state.pop("grad_sum", None)
-            i += len(params)
+            if device.type == "cuda":  # pinned + non-blocking: no host-device sync
+                values = values.pin_memory()
+            multiplier = self._grad_multiplier
+            self.update(
+                flat_grad,
+                group.weights,
+                group.master,
+                group.exp_avg,
+                group.exp_avg_sq,
+                values.to(device, non_blocking=True),
+                multiplier if multiplier is not None else torch.ones((), device=device),
+                beta1,
+                beta2,
+                setting["eps"],
+                setting["weight_decay"],
+            )
         self._gathered = None
+        self._summed = False
 
     def state_dict(self) -> dict:
         return {
@@ -240,21 +348,22 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                         f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}"
                     )
                 self.state[p][k].copy_(entry[k])
-            self.state[p]["step"].fill_(state_dict["steps"])
-            with torch.no_grad():
-                p.copy_(self.state[p]["master"])
+        with torch.no_grad():
+            for group in self.groups:
+                group.weights.copy_(group.master)
         for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update(hyper)
         self.steps = state_dict["steps"]
 
 
-def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float):
-    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW."""
+def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, compile: bool = False):
+    """fp32 parameters get torch's AdamW (fused on CUDA); lower-precision ones the master-weight AdamW,
+    its update compiled with `compile`."""
     if all(p.dtype == torch.float32 for p in params):
         # FSDP2's shards (DTensors) take the foreach kernels: the fused one's grad_scale is a plain tensor
         fused = params[0].device.type == "cuda" and not isinstance(params[0], DTensor)
         return ClippedAdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
-    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay)
+    return MasterWeightAdamW(params, lr=lr, weight_decay=weight_decay, compile=compile)
 
 
 def named_optimizer_state(state: dict, names: list[str]) -> dict:

@@ -375,7 +375,9 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     eval_objective = objective if parallel.sharded else bind(drafter)
 
     # ------------------------------------------------------------------ optimizer and schedule
-    optimizer = make_optimizer(list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
+    )
     # train.max_minutes: a budget of training time (step time only; evaluation, checkpoint writes and steps
     # that compiled are not counted), and under it the schedule runs over the budget (train/budget.py).
     budget_seconds = t.max_minutes * 60

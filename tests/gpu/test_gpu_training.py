@@ -268,3 +268,24 @@ def test_compile_workers_are_up_before_the_first_compile():
     start_compile_workers()
     AsyncCompile.wait_pool_ready(timeout=180)
     assert AsyncCompile.use_process_pool()  # inductor would now compile kernels in its workers
+
+
+def test_every_layer_of_a_compiled_drafter_is_one_graph(qwen3_target):
+    """parallelize's block-input hook: a 3-layer drafter's training step compiles its layer once (plus the
+    loss's chunk graph), not once for layer 0 and again for the layers whose input has a gradient."""
+    from torch._dynamo.utils import counters
+
+    drafter, target = _pair_on_gpu(qwen3_target, block_size=4, num_layers=3)
+    placement = parallelize(drafter, device=CUDA, attention="flex", compile=True, dtype="fp32")
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=12,
+        gamma=3.0,
+        loss=WeightedHeadLoss(chunk=64, compile=placement.compiled),
+        attention=placement.attention,
+    )
+    counters.clear()
+    out = objective(token_batch([200, 130], prompt_lengths=[10, 20], seq_len=256).to(CUDA))
+    (out.loss_sum / out.weight_sum).backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

@@ -271,3 +271,33 @@ def test_fused_head_loss_equals_plain_cross_entropy():
     ref.backward()
     assert torch.allclose(total, ref, atol=1e-5) and torch.allclose(g_fused, hidden.grad, atol=1e-6)
     assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+def test_the_compiled_drafters_block_input_hook_changes_no_gradient(qwen3_target):
+    """parallelize gives a compiled drafter's first-layer input a gradient (so every layer is one compiled
+    graph): in training the layer sees an input that asks for one, under no_grad it does not, and the
+    parameters' gradients are those without the hook."""
+    from flashdraft.distributed.parallelize import block_input_needs_grad
+
+    drafter, target = tiny_pair(qwen3_target, block_size=4)
+    batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
+    objective = Objective(drafter, target, num_anchors=6, gamma=GAMMA, loss=WeightedHeadLoss(chunk=7))
+    blocks = objective.blocks(batch)
+
+    def step() -> dict[str, torch.Tensor]:
+        out = objective(batch, blocks)
+        (out.loss_sum / out.weight_sum).backward()
+        result = grads(drafter)
+        drafter.zero_grad()
+        return result
+
+    plain = step()
+    seen = []
+    drafter.layers[0].register_forward_pre_hook(lambda _module, args: seen.append(args[0].requires_grad))
+    drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
+    hooked = step()
+    with torch.no_grad():
+        objective(batch, blocks)
+    assert seen == [True, False]
+    for name, g in plain.items():
+        torch.testing.assert_close(hooked[name], g, rtol=0, atol=0, msg=name)

@@ -22,11 +22,12 @@ def _bf16_params(seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_master_weights_follow_torch_adamw_with_clipping(device):
-    """The fused master-weight update against torch's plain for-loop AdamW on fp32 copies, through a
-    changing lr, clipped and unclipped steps, and the written-back bf16 weights."""
+    """The master-weight update (compiled on CUDA, as training runs it) against torch's plain for-loop
+    AdamW on fp32 copies, through a changing lr, clipped and unclipped steps, and the written-back bf16
+    weights."""
     params = _bf16_params(device=device)
     reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-    ours = make_optimizer(params, lr=1e-2, weight_decay=0.1)
+    ours = make_optimizer(params, lr=1e-2, weight_decay=0.1, compile=device == "cuda")
     theirs = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1, foreach=False)
     assert isinstance(ours, MasterWeightAdamW)
     for step in range(6):
@@ -165,3 +166,59 @@ def test_a_step_gathers_its_gradients_once():
     for p, g in zip(params, _grads(5), strict=True):  # the next step gathers its own gradients
         p.grad = g.clone()
     assert all(torch.equal(a, b) for a, b in zip(opt.gradients(), _grads(5), strict=True))
+
+
+def test_parameters_become_aligned_views_of_one_flat_weight_buffer():
+    """The update writes one flat buffer per group; the model computes with views of it, each slot on a
+    128-byte boundary, and the gaps between slots stay zero through steps."""
+    params = _bf16_params()
+    values = [p.detach().clone() for p in params]
+    opt = MasterWeightAdamW(params, lr=1e-2)
+    (group,) = opt.groups
+    base = group.weights.data_ptr()
+    for p, value in zip(params, values, strict=True):
+        assert torch.equal(p, value)  # laid out without changing a value
+        assert base <= p.data_ptr() < base + group.weights.numel() * 2 and p.data_ptr() % 128 == 0
+    for step in range(2):
+        for p, g in zip(params, _grads(step), strict=True):
+            p.grad = g.clone()
+        opt.clip_and_step(1.0)
+        opt.discard_gradients()
+    used = torch.zeros(group.weights.numel(), dtype=torch.bool)
+    for o, n in zip(group.offsets, group.numels, strict=True):
+        used[o : o + n] = True
+    for flat in (group.weights, group.master, group.exp_avg, group.exp_avg_sq):
+        assert not flat[~used].any()
+    assert all(torch.equal(p, opt.state[p]["master"].bfloat16()) for p in params)  # the views moved too
+
+
+def test_a_parameter_replaced_after_the_optimizer_was_built_is_refused():
+    """A parameter moved off its slot would no longer be trained: the step says so instead."""
+    params = _bf16_params()
+    opt = MasterWeightAdamW(params, lr=1e-2)
+    params[1].data = params[1].detach().clone()  # e.g. load_state_dict(assign=True)
+    for p, g in zip(params, _grads(0), strict=True):
+        p.grad = g.clone()
+    with pytest.raises(RuntimeError, match=r"shape \(17,\) no longer lives in the .* flat weight buffer"):
+        opt.clip_and_step(1.0)
+
+
+def test_a_group_of_mixed_dtypes_is_refused_at_construction():
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="one dtype on one device"):
+        MasterWeightAdamW(params, lr=1e-2)
+
+
+def test_a_gradient_missing_in_one_step_is_zero_not_the_last_steps():
+    """The flat gradient buffer is reused: a parameter without a gradient in this step counts as zero,
+    not as the value its slot held in the step before."""
+    params = _bf16_params()
+    opt = MasterWeightAdamW(params, lr=1e-2)
+    for p, g in zip(params, _grads(0), strict=True):
+        p.grad = g.clone()
+    opt.clip_and_step(1.0)
+    opt.discard_gradients()
+    params[0].grad = _grads(1)[0]
+    gathered = opt.gradients()
+    assert torch.equal(gathered[0], params[0].grad)
+    assert not gathered[1].any() and not gathered[2].any()
