@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 
+CLI = "import flashdraft.cli; from flashdraft.hf_startup import prepare_transformers; prepare_transformers()"
 STATEMENTS = {
     "torch": "import torch",
-    "prepare": "import flashdraft.cli; from transformers.utils import logging; from flashdraft.data.prepare import prepare",
-    "train": "import flashdraft.cli; from transformers.utils import logging; from flashdraft.train.job import run_job; from flashdraft.train.trainer import train",
+    # as the CLI's main runs them: prepare_transformers() before the command's own imports
+    "prepare": f"{CLI}; from flashdraft.data.prepare import prepare",
+    "train": f"{CLI}; from flashdraft.train.job import run_job; from flashdraft.train.trainer import train",
     "transformers_model": "import transformers; from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_config",
 }
 

@@ -752,9 +752,9 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from transformers.utils import logging as hf_logging
+    from flashdraft.hf_startup import prepare_transformers
 
-    hf_logging.disable_progress_bar()  # weight-loading bars are noise in run logs
+    prepare_transformers()  # before any command imports a model: no progress bars, no scikit-learn
     args.command_line = "flashdraft " + " ".join(sys.argv[1:] if argv is None else argv)
     # from the command line this call is the whole process, so its start-up is this command's to report
     args.own_process = argv is None

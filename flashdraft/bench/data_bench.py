@@ -219,6 +219,8 @@ def time_train(
         "peak_rss_GB": round(peak, 3),
         "log_head": head,
         "compiled": [line for line in output.splitlines() if COMPILED.match(line)],
+        # each graph's compile stages (dynamo, AOT autograd, inductor, code generation, Triton), per step
+        "compile_stages": [row["graphs"] for row in read_metrics(metrics, "compile")],
     }
 
 

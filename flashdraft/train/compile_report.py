@@ -10,7 +10,22 @@ backward, which carries its forward's compile id but no name.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# The stages of one compile as dynamo times them, outermost first; each includes the ones after it
+# (dynamo's tracing includes AOT autograd, which includes inductor, which includes its code generation,
+# which waits for Triton's kernel builds). Written to metrics.jsonl per graph: where a slow compile went.
+PHASES = (
+    "dynamo_cumulative_compile_time",
+    "aot_autograd_cumulative_compile_time",
+    "inductor_cumulative_compile_time",
+    "inductor_code_gen_cumulative_compile_time",
+    "triton_compile_time",
+    "joint_graph_pass_time",
+    "pre_grad_pass_time",
+    "post_grad_pass_time",
+    "gc_time",
+)
 
 
 @dataclass
@@ -20,6 +35,7 @@ class CompiledGraph:
     forward_s: float  # the frame's whole compile: tracing, AOT autograd, inductor's forward
     backward_s: float  # inductor's compile of the backward, at the first backward
     kernels_s: float  # of both: Triton's kernel builds
+    phases: dict[str, float] = field(default_factory=dict)  # "forward.<PHASES entry>" and "backward.…", s
 
 
 def _records() -> list:
@@ -30,13 +46,13 @@ def _records() -> list:
     return list(get_compilation_metrics())
 
 
-def _seconds(record, name: str) -> float:
-    """A record field in seconds: `<name>_s`, or `<name>_us` in microseconds; 0 where torch lacks both."""
+def _seconds(record, name: str) -> float | None:
+    """A record field in seconds: `<name>_s`, or `<name>_us` in microseconds; None where torch has neither."""
     value = getattr(record, f"{name}_s", None)
     if value is None:
         micros = getattr(record, f"{name}_us", None)
-        value = micros / 1e6 if micros is not None else 0.0
-    return float(value)
+        value = micros / 1e6 if micros is not None else None
+    return None if value is None else float(value)
 
 
 def graphs_compiled_since(since: float) -> list[CompiledGraph]:
@@ -47,12 +63,18 @@ def graphs_compiled_since(since: float) -> list[CompiledGraph]:
             continue
         key = str(record.compile_id)
         graph = graphs.setdefault(key, CompiledGraph("?", key, 0.0, 0.0, 0.0))
-        if getattr(record, "is_forward", True):
+        forward = getattr(record, "is_forward", True)
+        if forward:
             graph.name = record.co_name or graph.name
-            graph.forward_s += _seconds(record, "entire_frame_compile_time")
+            graph.forward_s += _seconds(record, "entire_frame_compile_time") or 0.0
         else:
-            graph.backward_s += _seconds(record, "inductor_compile_time")
-        graph.kernels_s += _seconds(record, "triton_compile_time")
+            graph.backward_s += _seconds(record, "inductor_compile_time") or 0.0
+        graph.kernels_s += _seconds(record, "triton_compile_time") or 0.0
+        for phase in PHASES:
+            seconds = _seconds(record, phase)
+            if seconds:
+                key = f"{'forward' if forward else 'backward'}.{phase}"
+                graph.phases[key] = round(graph.phases.get(key, 0.0) + seconds, 3)
     return list(graphs.values())
 
 

@@ -104,7 +104,8 @@ class MetricsLogger:
             self.progress.start()
         self.started = time.time()
 
-    def log(self, step: int, metrics: dict[str, Any], kind: str = "train") -> None:
+    def log(self, step: int, metrics: dict[str, Any], kind: str = "train", console: bool = True) -> None:
+        """`console=False`: a record for metrics.jsonl and TensorBoard only (e.g. the compile stages)."""
         record = {"kind": kind, "step": step, "time": round(time.time(), 3), **metrics}
         self.jsonl.write(json.dumps(record, allow_nan=True) + "\n")
         self.jsonl.flush()
@@ -112,6 +113,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(f"{kind}/{key}", value, step)
+        if not console:
+            return
         line = " | ".join(_fmt(k, metrics[k]) for k in self.CONSOLE_KEYS if k in metrics)
         if self.progress is not None:
             self.progress.update(self.task, completed=step, metrics=line)

@@ -617,6 +617,13 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             graphs = compile_report.graphs_compiled_since(compiles_since)
             if graphs:
                 say(f"step {step}: " + compile_report.describe(graphs, step_seconds))
+                if logger is not None:  # each graph's compile stages, for whoever asks why it was slow
+                    logger.log(
+                        step,
+                        {"graphs": [dataclasses.asdict(g) for g in graphs]},
+                        kind="compile",
+                        console=False,
+                    )
         last = step == total_steps or over_budget
         if profiler.after_step(step, last=last or stopping):
             say(f"profile of steps {profiler.first}-{step}: {profiler.report} (and a Chrome trace beside it)")
