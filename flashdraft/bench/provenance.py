@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import transformers
 
-from flashdraft.provenance import git_commit
+from flashdraft.provenance import git_commit, python_bytecode
 
 
 def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
@@ -26,4 +26,5 @@ def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
         "python": platform.python_version(),
         "git_commit": git_commit(Path(__file__).parent),  # flashdraft's commit, whatever the cwd
         "date": time.strftime("%Y-%m-%d"),
+        "python_bytecode": python_bytecode(),  # start-up times depend on it (docs/shards.md)
     }

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from flashdraft.config import DEFAULT_NUM_LAYERS, Config
 from flashdraft.errors import FlashdraftError
+from flashdraft.provenance import python_bytecode
 
 
 @dataclass
@@ -324,6 +325,24 @@ def _environment(_: Config) -> Check:
     return Check("environment", True, "; ".join(shown) or "no CUDA/NCCL variables set")
 
 
+def _bytecode(_: Config) -> Check:
+    """Not a failure, a slow start: every process then compiles the Python it imports (torch, transformers:
+    thousands of files), seconds before each command and each rank begins."""
+    state = python_bytecode()
+    if state["torch_cached"]:
+        return Check("python bytecode", True, "cached: imports read compiled bytecode")
+    if state["writes_bytecode"]:
+        return Check("python bytecode", True, "not cached yet: the first process writes it")
+    return Check(
+        "python bytecode",
+        True,
+        "not cached, and this environment forbids writing it (PYTHONDONTWRITEBYTECODE): every process "
+        "compiles the Python it imports, 15 s of `flashdraft train`'s start-up on an H200 host (docs/shards.md). "
+        "Tip: export PYTHONPYCACHEPREFIX=$HOME/.cache/pycache, then once: "
+        'python -m compileall -q -j 0 "$(python -c "import sysconfig; print(sysconfig.get_paths()[\'purelib\'])")"',
+    )
+
+
 QUICK: list[Callable[[Config], Check]] = [_versions, _target, _drafter, _data, _output]
 FULL: list[Callable[[Config], Check]] = [
     _versions,
@@ -336,6 +355,7 @@ FULL: list[Callable[[Config], Check]] = [
     _flex_compiles,
     _port,
     _environment,
+    _bytecode,
 ]
 
 

@@ -150,8 +150,12 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
         )
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["kind"] == "eval" and rows[0]["loss"] == rows[0]["loss"]  # finite, not NaN
-    assert any("mfu" in r for r in rows)
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert rows[-1]["kind"] == "eval" and train_rows[0]["loss"] == train_rows[0]["loss"]  # finite, not NaN
+    assert any("mfu" in r for r in train_rows)
+    (compiled,) = [r for r in rows if r["kind"] == "compile"]  # step 1's graphs, each with its stages
+    assert compiled["step"] == 1 and {g["name"] for g in compiled["graphs"]} >= {"forward", "chunk_rows"}
+    assert all(g["phases"]["forward.inductor_cumulative_compile_time"] > 0 for g in compiled["graphs"])
 
 
 @pytest.mark.parametrize("master_weights", [True, False])

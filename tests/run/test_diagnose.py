@@ -127,3 +127,20 @@ def test_doctor_reports_each_check_with_a_fix(tmp_path, qwen3_target, capsys):
     assert print_checks(list(checks.values())) == 1
     out = capsys.readouterr().out
     assert "✗ data" in out and "fix:" in out and "✓ target" in out
+
+
+def test_doctor_says_when_python_cannot_cache_its_bytecode(monkeypatch, tmp_path):
+    """A machine that forbids bytecode caching (PYTHONDONTWRITEBYTECODE, no .pyc shipped) starts every
+    process seconds slower: the doctor says so and how to cache it elsewhere; otherwise it says all is well."""
+    import importlib.util
+
+    from flashdraft.run import doctor
+
+    monkeypatch.setattr(importlib.util, "cache_from_source", lambda path: str(tmp_path / "absent.pyc"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    check = doctor._bytecode(None)
+    assert check.ok is True and "forbids writing it" in check.detail and "PYTHONPYCACHEPREFIX" in check.detail
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert "the first process writes it" in doctor._bytecode(None).detail
+    (tmp_path / "absent.pyc").write_bytes(b"")
+    assert doctor._bytecode(None).detail.startswith("cached")
