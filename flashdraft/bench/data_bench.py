@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "rank": {"batch_size": args.batch_size, "world_size": args.world_size, "max_length": args.max_length},
         "measured": measured,
         "train": trained,
-        "targets": {"to_first_batch_s": 30, "peak_rss_GB": 4},
+        "targets": {"to_first_batch_s": 30, "to_first_step_s": 30, "peak_rss_GB": 4},
         "meets_targets": measured["to_first_batch_s"] <= 30
         and measured["peak_rss_GB"] <= 4
         and (trained is None or (trained["to_first_step_s"] <= 30 and trained["peak_rss_GB"] <= 4)),
