@@ -32,6 +32,13 @@
 #   regen-large: after real-setup, bench regen on REGEN_PROMPTS (8,000) stdlib prompts built on the machine
 #   regen: flashdraft bench regen on the real target, 2,000 stdlib-docstring prompts (.real/prompts_train.jsonl);
 #          REGEN_FLAGS="--device cuda:0" for one GPU against the one-GPU baseline; ENGINES="static hf"
+#   issue 17 (nvidia-h200-x8; x4 with GPUS="1 2 4" and SPLITS="3"):
+#   scaling8: bench train colocated (ddp) on GPUS (default "1 2 4 8") GPUs, shape (a), 8B-shaped target
+#   split8: bench train --mode split on all 8 GPUs, TARGET (default qwen3-8b; qwen3.6-27b carries the fla
+#          wheels in .whl): the seeds' 5 target + 3 drafter GPUs (SPLITS, default "5"), then the split the
+#          balance report of the first one recommends
+#   cycle: the launch -> status -> logs -> stop cycle on every GPU and a kill of one rank
+#          (tests/run/test_launch_cycle_gpu.py)
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
@@ -129,6 +136,32 @@ case "${1:-tests}" in
         --out "$out/scaling_h200_$2.json" > "$out/scaling_$2.log" 2>&1
       grep -v -i warn "$out/scaling_$2.log" | tail -4
     done ;;
+  scaling8)
+    for n in ${GPUS:-1 2 4 8}; do
+      dp=""; [ "$n" -gt 1 ] && dp="--data-parallel ddp"
+      python3 -m flashdraft bench train --nproc-per-node $n --workdir /tmp/bw $dp \
+        --out "$out/scaling_h200x8_colocated_$n.json" > "$out/scaling8_$n.log" 2>&1
+      echo "colocated $n GPU(s):"; grep -E '"samples_per_s|Error' "$out/scaling8_$n.log" | tail -3
+    done ;;
+  split8)
+    t=${TARGET:-qwen3-8b}
+    if [ "$t" = qwen3.6-27b ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/fla
+    fi
+    split_run() {  # $1: target GPUs of 8
+      python3 -m flashdraft bench train --nproc-per-node 8 --mode split --target-ranks $1 --target $t \
+        --workdir /tmp/bw --out "$out/split_h200x8_${t}_$1+$((8 - $1)).json" > "$out/split8_${t}_$1.log" 2>&1
+      echo "split $1 + $((8 - $1)), $t:"
+      grep -E '"samples_per_s|waiting_share|balanced_split|Error' "$out/split8_${t}_$1.log" | tail -6
+    }
+    for k in ${SPLITS:-5}; do split_run $k; done
+    first=$(echo ${SPLITS:-5} | cut -d' ' -f1)
+    best=$(python3 -c "import json; print((json.load(open('$out/split_h200x8_${t}_$first+$((8 - first)).json')).get('balanced_split') or [''])[0])" 2>/dev/null)
+    case " ${SPLITS:-5} " in *" $best "*) ;; *) [ -n "$best" ] && split_run $best ;; esac ;;
+  cycle)
+    python3 -m pytest -m gpu tests/run/test_launch_cycle_gpu.py -q -p no:cacheprovider 2>&1 \
+      | tee "$out/gpu_cycle.log" | tail -6 ;;
   packing)
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
       --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;

@@ -94,6 +94,43 @@ def classify_message(message: str) -> Diagnosis:
     return Diagnosis("error", message, [message])
 
 
+# torchrun's failure summary (torch.distributed.elastic's ChildFailedError): the rank it saw fail first
+ROOT_CAUSE = "Root Cause (first observed failure):"
+SIGNAL_HINTS = {
+    "SIGKILL": " (the kernel OOM killer or kill -9: check dmesg / journalctl -k)",
+    "SIGSEGV": " (faulthandler's stack dump is in the log)",
+    "SIGABRT": " (e.g. the NCCL watchdog)",
+    "SIGTERM": " before it could checkpoint",
+    "SIGHUP": " (the terminal hung up)",
+}
+
+
+def _torchrun_root_cause(tail: list[str]) -> tuple[Diagnosis, int] | None:
+    """The rank torchrun reports as the first to fail, from its summary in the log, with its exit code.
+    A rank killed by a signal writes no error record; this summary is then the only place that names it."""
+    starts = [i for i, line in enumerate(tail) if ROOT_CAUSE in line]
+    if not starts:
+        return None
+    block = "\n".join(tail[starts[-1] : starts[-1] + 12])
+    rank = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", block)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+    if rank is None or code is None:
+        return None
+    where = f"rank {rank.group(1)} (local rank {rank.group(2)})"
+    exit_code = int(code.group(1))
+    evidence = [line.strip() for line in block.splitlines()[1:] if line.strip()]
+    if exit_code < 0:
+        name = signal_name(exit_code) or f"signal {-exit_code}"
+        line = (
+            f"{where} was killed by {name}{SIGNAL_HINTS.get(name, '')}; torchrun then ended the other ranks"
+        )
+        return Diagnosis("rank_killed", line, evidence), exit_code
+    traceback = re.search(r"traceback\s*:\s*(.*)", block)
+    detail = traceback.group(1).strip() if traceback else ""
+    line = f"{where} failed first, with exit code {exit_code}" + (f": {detail}" if detail else "")
+    return Diagnosis("rank_failed", line, evidence), exit_code
+
+
 def _root_frame(traceback_text: str) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', traceback_text)
     if not frames:
@@ -188,16 +225,15 @@ def diagnose_exit(
             )
         return Diagnosis("finished", f"finished at step {final.get('step')}", [])
     if signal_name is not None:
-        hints = {
-            "SIGKILL": " (the kernel OOM killer or kill -9: check dmesg / journalctl -k)",
-            "SIGSEGV": " (faulthandler's stack dump is in the log)",
-            "SIGABRT": " (e.g. the NCCL watchdog)",
-            "SIGTERM": " before it could checkpoint",
-            "SIGHUP": " (the terminal hung up)",
-        }
         step = (read_json(run_dir / "rank0" / "heartbeat.json") or {}).get("step")
         at = f" at step {step}" if step is not None else ""
-        return Diagnosis("killed", f"killed by {signal_name}{at}{hints.get(signal_name, '')}", tail[-3:])
+        return Diagnosis(
+            "killed", f"killed by {signal_name}{at}{SIGNAL_HINTS.get(signal_name, '')}", tail[-3:]
+        )
+    root_cause = _torchrun_root_cause(tail)
+    if root_cause is not None and root_cause[1] < 0:
+        # a rank killed by a signal: the survivors' error records (a peer gone) would blame one of them
+        return root_cause[0]
     error = _first_error_file(run_dir, tail)
     if error is not None:
         rank, data = error
@@ -207,6 +243,8 @@ def diagnose_exit(
             match = re.search(pattern, line)
             if match:
                 return Diagnosis(kind, template.format(match.group(1).strip()), [line.strip()])
+    if root_cause is not None:  # before the summary's own ChildFailedError line is taken for the cause
+        return root_cause[0]
     for line in reversed(tail):  # the last exception line of a traceback
         if re.match(r"^[A-Za-z_.]+(Error|Exception|Interrupt)\b", line):
             return Diagnosis("exception", f"Python exception: {line.strip()}", [line.strip()])

@@ -45,18 +45,18 @@ def test_ddp_gradients_reach_the_flat_master_weight_update(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_rank, args=(str(tmp_path / "store"), results), nprocs=2)
     model = _model()
-    opt = MasterWeightAdamW(list(model.parameters()), lr=1e-2)
+    params = list(model.parameters())
+    opt = MasterWeightAdamW(params, lr=1e-2)
     for step in range(STEPS):
         per_rank = []
         for rank in range(2):
             model(_inputs(rank, step)).float().square().sum().backward()
-            per_rank.append([p.grad.float() for p in model.parameters()])
+            per_rank.append([p.grad.float() for p in params])
             model.zero_grad(set_to_none=True)
-        for p, a, b in zip(model.parameters(), *per_rank, strict=True):
+        for p, a, b in zip(params, *per_rank, strict=True):
             p.grad = (a + b).bfloat16()  # the two-rank hook: one addition, rounded once
         opt.clip_and_step(1.0)
         opt.discard_gradients()
-    expected = list(model.parameters())
     for rank in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(results[rank], expected, strict=True))
-    assert not torch.equal(expected[0], _model()[0].weight)  # it trained
+        assert all(torch.equal(a, b) for a, b in zip(results[rank], params, strict=True))
+    assert not torch.equal(params[0], _model()[0].weight)  # it trained

@@ -57,6 +57,61 @@ def test_log_evidence_is_named(tmp_path, log, kind, needle):
     assert diagnosis.kind == kind and needle in diagnosis.line and diagnosis.evidence
 
 
+# torchrun's failure summary as torch 2.13 prints it when local rank 1 of 2 is killed with SIGKILL
+TORCHRUN_SUMMARY = """[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer
+E1201 03:10:00.000000 4242 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: -9) local_rank: 1 (pid: 4244) of binary: python
+Traceback (most recent call last):
+  File "torch/distributed/run.py", line 900, in main
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+flashdraft FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-01_03:10:00
+  host      : node0
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4243)
+  error_file: /run/rank0/error.json
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_03:09:59
+  host      : node0
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4244) SIGKILL
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4244
+============================================================
+"""
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_that_lost_it(tmp_path):
+    """A killed rank writes no error record; its peer, losing the connection, writes one. torchrun's summary
+    names the rank it saw die first, and the diagnosis says that one."""
+    run = _run_dir(tmp_path, TORCHRUN_SUMMARY)
+    (run / "rank0").mkdir()
+    write_json(
+        run / "rank0" / "error.json",
+        {"type": "RuntimeError", "message": "Connection closed by peer", "time": time.time(), "rank": 0},
+    )
+    diagnosis = diagnose_exit(run, 1, None)
+    assert diagnosis.kind == "rank_killed"
+    assert diagnosis.line.startswith("rank 1 (local rank 1) was killed by SIGKILL (the kernel OOM killer")
+    assert any("Signal 9 (SIGKILL) received by PID 4244" in line for line in diagnosis.evidence)
+
+
+def test_torchrun_s_root_cause_names_the_rank_when_nothing_else_does(tmp_path):
+    summary = TORCHRUN_SUMMARY.replace("exitcode  : -9 (pid: 4244) SIGKILL", "exitcode  : 3 (pid: 4244)")
+    summary = summary.replace("Signal 9 (SIGKILL) received by PID 4244", "os._exit(3) in a C extension")
+    diagnosis = diagnose_exit(_run_dir(tmp_path, summary), 1, None)
+    assert diagnosis.kind == "rank_failed"
+    assert (
+        diagnosis.line == "rank 1 (local rank 1) failed first, with exit code 3: os._exit(3) in a C extension"
+    )
+
+
 def test_first_rank_to_fail_is_the_root_cause(tmp_path):
     run = _run_dir(tmp_path, "")
     for rank, (t, message) in enumerate([(20.0, "follow-on failure"), (10.0, "the root cause")]):

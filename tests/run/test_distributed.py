@@ -85,6 +85,15 @@ def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):
     assert "injected failure at step 3" in out.stdout
 
 
+def test_a_rank_killed_by_a_signal_ends_the_job_with_that_rank_named(setup):
+    """kill -9 of one rank (as the OOM killer does): torchrun ends the other, and status names the dead rank,
+    not the survivor whose collective lost its peer."""
+    info = launch(setup, "--nproc-per-node", "2", "train.max_steps=100000", *fault("kill@3:1"))
+    info = wait_for(setup, info["run"], final, timeout=240)
+    assert info["state"] == "failed", info
+    assert info["diagnosis"].startswith("rank 1 (local rank 1) was killed by SIGKILL"), info["diagnosis"]
+
+
 def test_healthy_two_process_launch(setup):
     info = wait_for(setup, launch(setup, "--nproc-per-node", "2")["run"], final)
     assert info["state"] == "finished" and info["step"] == 12 and set(info["ranks"]) == {"0", "1"}
