@@ -73,8 +73,8 @@ def graphs_compiled_since(since: float) -> list[CompiledGraph]:
         for phase in PHASES:
             seconds = _seconds(record, phase)
             if seconds:
-                key = f"{'forward' if forward else 'backward'}.{phase}"
-                graph.phases[key] = round(graph.phases.get(key, 0.0) + seconds, 3)
+                stage = f"{'forward' if forward else 'backward'}.{phase}"
+                graph.phases[stage] = round(graph.phases.get(stage, 0.0) + seconds, 3)
     return list(graphs.values())
 
 
