@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drafter-layers",
         type=int,
         default=DEFAULT_NUM_LAYERS,
-        help=f"with --train: the drafter's layers (default {DEFAULT_NUM_LAYERS}, a new drafter's default; "
-        "layer 0 compiles apart from the others, its input needing no gradient)",
+        help=f"with --train: the drafter's layers (default {DEFAULT_NUM_LAYERS}, a new drafter's default)",
     )
     parser.add_argument("--out", default=None, help="write the result JSON here")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the measuring child process

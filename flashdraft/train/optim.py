@@ -178,6 +178,20 @@ class FlatGroup:
             for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)
         ]
 
+    def gather(self, into: Tensor, add: bool = False) -> list[Tensor]:
+        """Copy the parameters' `.grad` into their slots of the flat buffer `into`, zeroing the slot of a
+        parameter that got none (so ranks agree), or with `add`, add them to what the slots hold."""
+        slots = self.slots(into)
+        pairs = [(s, p.grad) for s, p in zip(slots, self.params, strict=True) if p.grad is not None]
+        if pairs:
+            targets, grads = (list(side) for side in zip(*pairs, strict=True))
+            (torch._foreach_add_ if add else torch._foreach_copy_)(targets, grads)
+        if not add:
+            for s, p in zip(slots, self.params, strict=True):
+                if p.grad is None:
+                    s.zero_()
+        return slots
+
     def check_bound(self) -> None:
         """The update writes the slots; a parameter whose tensor was replaced since (a `load_state_dict` with
         `assign=True`, a `.to()` of the model) would silently stop training: refuse instead."""
@@ -226,17 +240,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for group in self.groups:
             if group.grad_sum is None:
                 group.grad_sum = torch.zeros_like(group.master)
-            present = [(s, p.grad) for s, p in zip(group.slots(group.grad_sum), group.params, strict=True)]
-            sums = [s for s, g in present if g is not None]
-            grads = [g for _, g in present if g is not None]
-            if self._summed:
-                torch._foreach_add_(sums, grads)
-            else:  # the first backward pass of the step: copy (in fp32), and zero what got no gradient
-                if sums:
-                    torch._foreach_copy_(sums, grads)
-                for s, g in present:
-                    if g is None:
-                        s.zero_()
+            # the step's first backward pass is copied (in fp32), the later ones added
+            group.gather(group.grad_sum, add=self._summed)
             for p in group.params:
                 p.grad = None
         self._summed = True
@@ -251,16 +256,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             self.accumulate_gradients()
             self._gathered = [s for group in self.groups for s in group.slots(group.grad_sum)]
             return self._gathered
-        self._gathered = []
-        for group in self.groups:
-            slots = group.slots(group.grad)
-            present = [(s, p.grad) for s, p in zip(slots, group.params, strict=True) if p.grad is not None]
-            if present:
-                torch._foreach_copy_(*map(list, zip(*present, strict=True)))
-            for s, p in zip(slots, group.params, strict=True):
-                if p.grad is None:
-                    s.zero_()
-            self._gathered += slots
+        self._gathered = [s for group in self.groups for s in group.gather(group.grad)]
         return self._gathered
 
     def _flat_gradients(self) -> list[Tensor]:

@@ -21,7 +21,7 @@ def _run(tmp_path, prepare: str) -> str:
     package = tmp_path / "sklearn"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
-    (package / "metrics.py").write_text("def roc_curve(*args, **kwargs):\n    raise NotImplementedError\n")
+    (package / "metrics.py").write_text("roc_curve = None  # only the name is imported\n")
     code = CHECK.format(prepare=prepare)
     done = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
