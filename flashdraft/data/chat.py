@@ -13,6 +13,7 @@ back out (docs/inputs-and-outputs.md).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 from flashdraft.data.render import TOOLS_KEY, apply_chat_template
@@ -121,7 +122,7 @@ def _tools(raw, where: str) -> list[dict]:
     """The record's tool list: function schemas, as a list or as JSON text of one (some datasets)."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = load_json(raw, f"{where}: 'tools'")
         except json.JSONDecodeError:
             raise FlashdraftError(f"{where}: 'tools' is text that is not JSON") from None
     if not isinstance(raw, list) or not all(
@@ -138,9 +139,21 @@ def _json_type(value) -> str:
     return names.get(type(value), "a number")
 
 
+def load_json(text: str, where: str):
+    """`json.loads`, with a value nested too deeply for Python's parser (RecursionError) reported as an
+    error naming `where`, like any other malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise FlashdraftError(
+            f"{where}: JSON nested too deeply to read (more than {sys.getrecursionlimit()} levels); "
+            "fix or remove that record"
+        ) from None
+
+
 def parse_json_object(line: str, where: str) -> dict:
     try:
-        record = json.loads(line)
+        record = load_json(line, where)
     except json.JSONDecodeError as exc:
         raise FlashdraftError(f"{where}: invalid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
@@ -183,7 +196,29 @@ def normalise(record: dict, where: str) -> Conversation:
             )
     if record.get("tools") is not None:
         messages[0] = {**messages[0], TOOLS_KEY: _tools(record["tools"], where)}
+    for i, m in enumerate(messages):
+        _check_text(m, f"messages[{i}]", where)
     return Conversation(messages, None, where)
+
+
+def _check_text(value, field: str, where: str) -> None:
+    """Every string in `value` must be encodable text: JSON may spell a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer accepts (a TypeError deep inside it), so it is named here with its field."""
+    pending = [(value, field)]
+    while pending:  # a loop, not recursion: the record may be nested as deeply as JSON parsing allowed
+        item, name = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise FlashdraftError(
+                    f"{where}: {name} holds a lone UTF-16 surrogate (\\u{ord(item[exc.start]):04x} at "
+                    f"character {exc.start + 1}), which is not text; fix the record or drop it"
+                ) from None
+        elif isinstance(item, dict):
+            pending.extend((v, f"{name}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            pending.extend((v, f"{name}[{j}]") for j, v in enumerate(item))
 
 
 def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:

@@ -123,7 +123,7 @@ def template_messages(
             # templates print them with `tojson` (text would be quoted twice).
             function = call.get("function", {})
             if isinstance(function.get("arguments"), str):
-                with contextlib.suppress(json.JSONDecodeError):  # not JSON: the text the model wrote
+                with contextlib.suppress(json.JSONDecodeError, RecursionError):  # the text the model wrote
                     function["arguments"] = json.loads(function["arguments"])
         reasoning = m.get("reasoning_content")
         if reasoning:

@@ -208,6 +208,8 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         raise FlashdraftError(f"{path}: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise FlashdraftError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise FlashdraftError(f"{path}: JSON nested too deeply to read (a damaged manifest?)") from None
     except OSError as exc:
         raise FlashdraftError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(manifest, dict):
