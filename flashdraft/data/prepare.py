@@ -34,7 +34,7 @@ from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.target import load_target_tokenizer
+from flashdraft.model.target import check_safetensors_weights, load_target_tokenizer
 from flashdraft.outputs import check_output_dir
 from flashdraft.phases import PhaseClock
 
@@ -96,6 +96,7 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     from flashdraft.data.engines import choose_engine
     from flashdraft.data.local_regen import LocalJob, describe, key_settings, resolve_devices
 
+    check_safetensors_weights(target)  # before any worker tries to unpickle a pytorch_model.bin
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
     auto = settings.engine == "auto"

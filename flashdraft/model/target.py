@@ -29,6 +29,25 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_safetensors_weights(path: str | Path) -> None:
+    """Refuse a target whose weights exist only as pickled `pytorch_model.bin`: unpickling can run code, so
+    flashdraft loads safetensors only, and says how to convert (else torch's weights_only traceback)."""
+    path = target_directory(path)
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return
+    found = [name for name in _PICKLE_WEIGHTS if (path / name).is_file()]
+    if found:
+        raise FlashdraftError(
+            f"target {path}: its weights are only {found[0]} (a pickle, which flashdraft does not load); "
+            'convert them to safetensors once, if you trust the file: python -c "from transformers import '
+            f"AutoModelForCausalLM as M; M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" "
+            "and copy the tokenizer files beside the result"
+        )
+
+
 class _StopForward(Exception):
     """Raised by the capture hook after the last needed layer; caught by TargetModel."""
 
@@ -108,6 +127,7 @@ class TargetModel:
     ) -> TargetModel:
         path = target_directory(path)  # a GGUF target: its converted copy (docs/real-target.md)
         load_target_config(path)  # clear error for a missing or broken directory
+        check_safetensors_weights(path)
         if dtype is None:
             dtype = default_dtype(device)
         try:
