@@ -86,6 +86,11 @@ class DataConfig:
         "Pack several samples into each row of up to max_length tokens (each sample still sees only itself); "
         "train.batch_size then counts packed rows (docs/packing.md).",
     )
+    allow_unverified_tokenizer: bool = doc(
+        False,
+        "Train on shards even when the target ships no tokenizer files to check their tokenizer against "
+        "(refused by default: ids from another tokenizer mean other words; docs/inputs-and-outputs.md).",
+    )
 
 
 @dataclass

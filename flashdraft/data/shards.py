@@ -255,14 +255,25 @@ def not_a_shard_dir(directory: Path) -> str | None:
     return None
 
 
-def check_manifest(directory: Path, fingerprint: dict[str, str] | None, target: str) -> None:
+def check_manifest(
+    directory: Path, fingerprint: dict[str, str] | None, target: str, allow_unverified: bool = True
+) -> None:
     """Shards must come from the target's own tokenizer (and template): else every id means something else.
-    When that cannot be verified (no manifest, or a target without tokenizer files) say so, loudly."""
+    A target without tokenizer files (`fingerprint` None) cannot be compared with: refused unless
+    `allow_unverified` (data.allow_unverified_tokenizer), then a loud warning; no manifest: a warning."""
     manifest = read_manifest(directory)
     if manifest is None:
         warn(f"{directory} has no flashdraft manifest")
         return
     if fingerprint is None:
+        # prepare records its tokenizer's hash; a set without one (written by a benchmark) was never checkable
+        if not allow_unverified and "tokenizer_sha256" in manifest:
+            raise FlashdraftError(
+                f"data {directory}: made with tokenizer {manifest.get('tokenizer_name', '?')!r}, but the target "
+                f"{target} ships no tokenizer files to check that against, and ids of another tokenizer mean "
+                "other words; copy the target's tokenizer files (tokenizer.json, tokenizer_config.json) into "
+                f"{target}, or set data.allow_unverified_tokenizer=true if these shards were made with its tokenizer"
+            )
         warn(f"{directory}: no tokenizer files next to {target} to compare its manifest with")
         return
     if manifest.get("tokenizer_sha256") != fingerprint.get("tokenizer_sha256"):

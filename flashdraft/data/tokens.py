@@ -3,7 +3,8 @@
 Reads shard directories made by `flashdraft prepare` (memory-mapped, docs/shards.md: their manifest is
 checked against the target's tokenizer and their file sizes against the manifest), JSONL files (one
 sample per line, gzipped or not, read into memory: small data), or directories of them; data whose
-tokenizer cannot be verified gets a warning. Every malformed line is an error that names the file and
+tokenizer cannot be verified gets a warning (a shard set against a target without tokenizer files is
+refused unless data.allow_unverified_tokenizer). Every malformed line is an error that names the file and
 line; nothing is skipped silently (samples that cannot hold one block are counted and reported).
 """
 
@@ -95,14 +96,16 @@ class TokenDataset:
         return np.minimum(self.shards.column(1)[self.keep], self.max_length)
 
 
-def _sources(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> Iterator[Path | ShardSet]:
+def _sources(
+    paths: list[str], fingerprint: dict[str, str] | None, target: str, allow_unverified: bool
+) -> Iterator[Path | ShardSet]:
     """Per data path: its opened shard set (manifest checked), or the JSONL files to read into memory."""
     for raw in paths:
         path = Path(raw)
         manifest = read_manifest(path) if path.is_dir() else None
         if manifest is not None:
             _, shards = open_shards(path)  # refuses old JSONL sets before anything else is said
-            check_manifest(path, fingerprint, target)
+            check_manifest(path, fingerprint, target, allow_unverified)
             yield shards
         elif path.is_dir():
             found = sorted(
@@ -173,14 +176,17 @@ def load_token_dataset(
     vocab_size: int | None = None,
     fingerprint: dict[str, str] | None = None,
     target: str = "the target",
+    allow_unverified_tokenizer: bool = True,
 ) -> TokenDataset:
     """Samples truncated to `max_length`; those without one anchor (a supervised token with a whole block
     after it) are left out and counted in `dropped`. Shard sets are opened lazily (memory maps); plain
-    JSONL files are read into memory."""
+    JSONL files are read into memory. `fingerprint` None means the target has no tokenizer to check shard
+    manifests against: refused unless `allow_unverified_tokenizer` (train passes data.allow_unverified_tokenizer,
+    default false; library callers that check nothing keep the default)."""
     if not paths:
         raise FlashdraftError("data.train: no training data given (set data.train=[file.jsonl, ...])")
     parts: list[Shard] = []
-    for source in _sources(paths, fingerprint, target):
+    for source in _sources(paths, fingerprint, target, allow_unverified_tokenizer):
         if isinstance(source, ShardSet):
             _check_vocabulary(source, vocab_size)
             parts.extend(source.shards)

@@ -299,6 +299,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         "vocab_size": target.vocab_size,
         "fingerprint": target_tokenizer_fingerprint(config.model.target),
         "target": config.model.target,
+        "allow_unverified_tokenizer": config.data.allow_unverified_tokenizer,
     }
     train_data = load_token_dataset(config.data.train, **data_kwargs)
     eval_data = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
