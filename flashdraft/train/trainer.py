@@ -460,7 +460,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     say(
         f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
         f"x {topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
-        f"{len(train_data)} samples ({train_data.dropped['no_anchor']} dropped: no anchor), {total_steps} steps; "
+        f"{len(train_data)} samples ({train_data.dropped_summary()}), {total_steps} steps; "
         f"set up in {sum(startup.seconds.values()):.1f} s ({startup.summary()})"
         + ("; the first steps compile" if placement.compiled else "")
     )
