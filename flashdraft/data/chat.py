@@ -16,7 +16,8 @@ import json
 import sys
 from dataclasses import dataclass
 
-from flashdraft.data.render import TOOLS_KEY, apply_chat_template
+from flashdraft.data.render import TOOLS_KEY
+from flashdraft.data.render import prompt_ids as render_prompt_ids
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -237,7 +238,4 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
         )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
-    ids = apply_chat_template(tokenizer, messages, thinking, conversation.where, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return render_prompt_ids(tokenizer, messages, thinking, conversation.where)

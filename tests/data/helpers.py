@@ -62,11 +62,19 @@ LLAMA_GENERATION_TEMPLATE = (
 )
 
 
-def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
+# With `pieces`: the words a special token's text falls into when it is tokenized as plain text (typed in a
+# message, docs/inputs-and-outputs.md), after the special tokens, so the other ids stay as they are.
+PIECES = ["<", "|", ">", "/", "im_start", "im_end", "think", "begin_of_text", "start_header_id"]
+PIECES += ["end_header_id", "eot_id"]
+
+
+def make_tokenizer(style: str, pieces: bool = False) -> PreTrainedTokenizerFast:
     specials = QWEN_SPECIALS if style == "qwen" else LLAMA_SPECIALS
-    vocab = {w: i for i, w in enumerate(WORDS + specials)}
+    vocab = {w: i for i, w in enumerate(WORDS + specials + (PIECES if pieces else []))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|\n\n|\n| "
+    if pieces:  # special tokens are matched before this split; their text typed as plain text splits here
+        pattern = r"\n\n|\n| |<|\||>|/"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
     kwargs = {"unk_token": "[UNK]", "additional_special_tokens": specials}
     if style == "qwen":
@@ -94,7 +102,7 @@ def make_char_tokenizer(
     chars = ["\n", *map(chr, range(32, 127)), "[UNK]"]
     vocab = {w: i for i, w in enumerate(chars + list(specials))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|[\s\S]"
+    pattern = r"[\s\S]"  # special tokens are matched before this split; as plain text they are characters
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
