@@ -118,8 +118,10 @@ def make_char_tokenizer(
 @dataclass
 class FakeChatServer:
     """An OpenAI-compatible chat endpoint on loopback: answers with `answer(request body)`, records every
-    request in `seen` (with its arrival time in `arrivals`), and waits `delay` seconds before each reply (to
-    be killed mid-run). While `script` holds failures, each request gets the next one instead of an answer."""
+    request in `seen` (with its arrival time in `arrivals`), and waits `delay` seconds before each reply.
+    While `script` holds failures, each request gets the next one instead of an answer. With `hold_after`
+    set, requests beyond that many are held unanswered until `release()` (a client to be killed mid-run
+    waits there, whatever the machine's speed: `wait_held` says when it does)."""
 
     # the content, (content, finish_reason), or the whole assistant message (a dict), optionally with a reason
     answer: Callable[[dict], str | dict | tuple[str | dict, str]]
@@ -128,6 +130,19 @@ class FakeChatServer:
     seen: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     script: list[Failure] = field(default_factory=list)
+    hold_after: int | None = None
+    held: int = 0  # requests waiting for release()
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+    _released: threading.Event = field(default_factory=threading.Event)
+
+    def wait_held(self, count: int, timeout: float = 600.0) -> bool:
+        """Wait until `count` requests are held (a generous limit: a loaded machine starts a client slowly)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.held >= count, timeout)
+
+    def release(self) -> None:
+        """Answer the held requests and every later one."""
+        self._released.set()
 
 
 @contextlib.contextmanager
@@ -144,6 +159,15 @@ def fake_chat_server(
                 server.seen.append(body)
                 server.arrivals.append(time.monotonic())
                 failure = server.script.pop(0) if server.script else None
+                hold = server.hold_after is not None and len(server.seen) > server.hold_after
+            if hold and not server._released.is_set():
+                with server._changed:
+                    server.held += 1
+                    server._changed.notify_all()
+                server._released.wait()
+                with contextlib.suppress(OSError):  # the client may be gone (killed while it waited)
+                    self._answer(body)
+                return
             if failure == RESET:
                 self.close_connection = True  # closed without a reply: the client sees a broken connection
                 return
@@ -152,6 +176,9 @@ def fake_chat_server(
                 self._send(status, text.encode(), headers)
                 return
             time.sleep(server.delay)
+            self._answer(body)
+
+        def _answer(self, body: dict) -> None:
             answer = server.answer(body)
             message, reason = answer if isinstance(answer, tuple) else (answer, "stop")
             if not isinstance(message, dict):
