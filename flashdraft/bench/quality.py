@@ -40,8 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
-from flashdraft.config import block_size_value, non_negative_int, positive_int
-from flashdraft.config import Sampling, load_config
+from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.engines import ENGINES
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
