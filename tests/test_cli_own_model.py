@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashdraft.bench.tiny import save_tiny_target
-from flashdraft.cli import main
+from flashdraft.cli import build_parser, main
 from flashdraft.config import describe, load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.locate import find_drafter
@@ -129,3 +129,27 @@ def test_a_mistyped_flag_is_named_with_its_close_match(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--target", "t", "--drafter", "d", "--prompts", "p", "--max-promts", "3"])
     assert "unrecognized arguments: --max-promts 3 (did you mean --max-prompts?)" in capsys.readouterr().err
+
+
+def test_launch_hands_threads_to_its_job(monkeypatch, tmp_path, capsys):
+    """The job is `flashdraft train` in another process: --threads reaches it through its environment,
+    where train's own thread choice reads it."""
+    import flashdraft.run.launcher as launcher
+    from flashdraft.cli.flags import THREADS_ENV, threads_of
+
+    seen = {}
+
+    def launch(path, overrides, **options):
+        seen.update(options["env"])
+        return {"run": "r", "state": "running", "run_dir": str(tmp_path)}
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    assert main(["launch", "train.max_steps=1", "--threads", "3", "--env", "OMP_NUM_THREADS=2"]) == 0
+    assert seen[THREADS_ENV] == "3" and seen["OMP_NUM_THREADS"] == "2"  # the user's own --env wins
+    monkeypatch.setenv(THREADS_ENV, "3")
+    parsed = build_parser().parse_args(["train", "c.yaml"])
+    assert threads_of(parsed) == 3
+    assert threads_of(build_parser().parse_args(["train", "c.yaml", "--threads", "1"])) == 1
+    monkeypatch.setenv(THREADS_ENV, "zero")
+    with pytest.raises(FlashdraftError, match="FLASHDRAFT_THREADS=zero: expected an integer"):
+        threads_of(parsed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -46,14 +47,26 @@ __all__ = [
 
 THREADS_HELP = (
     "CPU threads for the model's work (default: the cores this process may use that no other process "
-    "keeps busy; on a GPU, torch's own count)"
+    "keeps busy; on a GPU, torch's own count; also $FLASHDRAFT_THREADS)"
 )
 
 
+THREADS_ENV = "FLASHDRAFT_THREADS"  # `launch --threads N` hands N to its job's `flashdraft train` this way
+
+
 def threads_of(args: argparse.Namespace) -> int | None:
-    """`--threads N` given after the command, else before it (`flashdraft --threads N COMMAND`)."""
-    own = getattr(args, "threads", None)
-    return own if own is not None else getattr(args, "global_threads", None)
+    """`--threads N` given after the command, else before it (`flashdraft --threads N COMMAND`), else
+    $FLASHDRAFT_THREADS; None: the command chooses (flashdraft/cpu_threads.py)."""
+    for given in (getattr(args, "threads", None), getattr(args, "global_threads", None)):
+        if given is not None:
+            return given
+    raw = os.environ.get(THREADS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return positive_int(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise FlashdraftError(f"{THREADS_ENV}={raw}: {exc}") from None
 
 
 def flag_name(field_name: str) -> str:

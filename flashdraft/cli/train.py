@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 from flashdraft.cli.flags import (
+    THREADS_ENV,
     add_threads_flag,
     check_target,
     flags_from,
@@ -135,8 +136,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         key, value = item.split("=", 1)
         env[key] = value
     threads = threads_of(args)
-    if threads is not None:  # the job's torch reads these when it starts (flashdraft/cpu_threads.py)
-        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    if threads is not None:  # the job's `flashdraft train` reads it; OMP_*: any other process it starts
+        for name in (THREADS_ENV, "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env.setdefault(name, str(threads))
     info = launch(
         path,
