@@ -59,6 +59,10 @@ def _cases(tmp) -> list[tuple[list[str], str]]:
             ["prepare", str(prompts), "--target", str(model), "--out", "o", "--max-lenght", "9"],
             "--max-length?",
         ),
+        (
+            ["prepare", str(prompts), "--target", str(model), "--out", "o", "--device", "tpu"],
+            "'tpu': expected",
+        ),
         (["inspect", missing], "not a directory"),
         (["convert-shards", missing, str(tmp / "new")], "not a shard directory"),
         (["config", "--target", missing], "no config.json there"),
@@ -76,6 +80,20 @@ def _cases(tmp) -> list[tuple[list[str], str]]:
             "no such directory",
         ),
         (["eval", "--target", str(model), "--drafter", str(model), "--prompts", missing], "no such file"),
+        (
+            [
+                "eval",
+                "--target",
+                str(model),
+                "--drafter",
+                str(model),
+                "--prompts",
+                str(prompts),
+                "--device",
+                "gpu0",
+            ],
+            "not a device",
+        ),
         (
             ["eval", "--target", "t", "--drafter", "d", "--prompts", "p", "--max-prompts", "-1"],
             "--max-prompts",

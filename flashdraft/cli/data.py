@@ -8,6 +8,7 @@ from pathlib import Path
 from flashdraft.cli.flags import (
     add_threads_flag,
     check_target,
+    device_is_well_formed,
     flags_from,
     non_negative_int,
     settings_from,
@@ -40,6 +41,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             raise FlashdraftError(f"{path}: no such file or directory")
     check_target(args.target)
     settings = settings_from(args, PrepareSettings)
+    if not device_is_well_formed(settings.device):  # data/local_regen.py's wording
+        raise FlashdraftError(f"--device {settings.device!r}: expected auto, cpu, cuda or cuda:N")
     start_models(threads_of(args), settings.device)
     from flashdraft.data.prepare import prepare
     from flashdraft.phases import PhaseClock

@@ -9,6 +9,7 @@ from pathlib import Path
 from flashdraft.cli.flags import (
     add_threads_flag,
     check_target,
+    device_is_well_formed,
     flags_from,
     settings_from,
     start_models,
@@ -44,6 +45,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     drafter = _drafter(args.drafter, "--drafter")
     if not Path(args.prompts).exists():  # data/sources.py's wording, before torch loads
         raise FlashdraftError(f"{args.prompts}: no such file")
+    if not device_is_well_formed(args.device):  # infer/evaluate.py's wording
+        raise FlashdraftError(f"--device {args.device}: not a device (use auto, cpu, cuda or cuda:N)")
     settings = settings_from(args, EvalSettings, check_lossless=args.check_lossless)
     start_models(threads_of(args), args.device)
     from flashdraft.infer.evaluate import run_eval

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -171,6 +172,15 @@ def check_target(path: str | Path) -> None:
         raise FlashdraftError(
             f"target {target}: no config.json there (expected a local Hugging Face model directory)"
         )
+
+
+DEVICE_SYNTAX = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def device_is_well_formed(device: str) -> bool:
+    """auto, cpu, cuda or cuda:N: the forms every command takes (whether that GPU exists is the
+    command's to say, once torch is loaded)."""
+    return bool(DEVICE_SYNTAX.match(device))
 
 
 def check_exists(path: str | Path, label: str) -> None:
