@@ -86,7 +86,7 @@ def _nested_settings(tp: Any) -> type | None:
 
 def _help_text(metadata: dict[str, Any], default: Any) -> str:
     text = metadata["help"].replace("%", "%%")  # argparse %-formats help strings
-    if default not in (None, False, "") and "default" not in text:
+    if default is not None and default is not False and default != "" and "default" not in text:
         text += f" (default {default})"
     return text
 
