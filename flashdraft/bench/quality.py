@@ -40,8 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
-from flashdraft.cli import block_size, non_negative_int, positive_int
-from flashdraft.config import Sampling, load_config
+from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.engines import ENGINES
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
@@ -110,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="token id of masked block positions (default: the tokenizer's mask or first free row)",
     )
-    p.add_argument("--block-size", type=block_size, default=16, help="block size B of the drafter")
+    p.add_argument("--block-size", type=block_size_value, default=16, help="block size B of the drafter")
     p.add_argument("--lr", type=positive_float, default=6e-4, help="peak AdamW learning rate")
     p.add_argument("--num-anchors", type=positive_int, default=256, help="blocks trained per sequence")
     p.add_argument("--max-length", type=positive_int, default=2048, help="tokens per training sequence")

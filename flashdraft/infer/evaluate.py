@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.config import EVAL_MAX_NEW_TOKENS, Sampling
+from flashdraft.config import EVAL_ENGINES, EvalSettings  # EvalSettings: importable from here too
 from flashdraft.data.chat import normalise, prompt_ids
 from flashdraft.data.sources import read_records
 from flashdraft.durable import disk_full_reason
@@ -40,21 +40,7 @@ from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
 
-
-@dataclass
-class EvalSettings:
-    block_size: int | None = None
-    sampling: Sampling = field(default_factory=lambda: Sampling(max_new_tokens=EVAL_MAX_NEW_TOKENS))
-    thinking: str | None = None
-    check_lossless: bool | str = (
-        False  # False, True (at the eval's dtype) or "fp32" (diverged prompts rerun in fp32)
-    )
-    max_prompts: int = 0
-    engine: str = "flashdraft"  # "zlab": also run z-lab's dflash_generate on the same prompts
-    dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32
-
-
-ENGINES = ("flashdraft", "zlab")
+ENGINES = EVAL_ENGINES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A divergence is a numerical tie when the two tokens' target logits differ by at most this many units in
 # the last place of the dtype the target ran in, at their magnitude (docs/export-and-eval.md).
