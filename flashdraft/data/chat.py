@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from flashdraft.data.render import TOOLS_KEY, apply_chat_template
+from flashdraft.data.render import TOOLS_KEY, prompt_ids
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -186,9 +186,10 @@ def normalise(record: dict, where: str) -> Conversation:
     return Conversation(messages, None, where)
 
 
-def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
-    """Token ids of the conversation up to its last user turn, ready for the assistant's answer, rendered
-    with the target's own chat template (as a serving engine renders it)."""
+def conversation_prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
+    """Token ids of the conversation up to its last user turn, ready for the assistant's answer: its own
+    `input_ids` when it came as ids, else rendered by `render.prompt_ids` (the one prompt renderer, with the
+    target's own chat template, as a serving engine renders it)."""
     if conversation.input_ids is not None:
         return conversation.input_ids
     messages = list(conversation.messages)
@@ -202,7 +203,4 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
         )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
-    ids = apply_chat_template(tokenizer, messages, thinking, conversation.where, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return prompt_ids(tokenizer, messages, thinking, conversation.where)

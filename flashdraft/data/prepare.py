@@ -53,7 +53,7 @@ class PrepareSettings:
     cut_answers: str = "keep"  # keep or drop answers cut at --max-new-tokens (docs/regeneration.md)
     workers: int = 1  # CPU worker processes
     render_workers: int = 0  # processes rendering the samples; 0: by input size (data/render_pool.py)
-    row_groups: int = 4  # static engine: decode attention row groups (data/decode_loop.py; 1: off)
+    row_groups: int = 4  # static engine: decode attention row groups (generate/static.py; 1: off)
     max_retries: int = 5  # per server request, on 429, 5xx and broken connections
     max_failed_requests: int | None = None  # None: 1% of the server requests
     retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
@@ -93,8 +93,9 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
 
     import torch
 
-    from flashdraft.data.engines import choose_engine
-    from flashdraft.data.local_regen import LocalJob, describe, key_settings, resolve_devices
+    from flashdraft.data.local_regen import LocalJob, describe, key_settings
+    from flashdraft.devices import resolve_devices
+    from flashdraft.generate.engines import choose_engine
 
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)

@@ -262,12 +262,13 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
     }
 
 
-def prompt_ids(tokenizer, messages: list[dict], thinking: str | None) -> list[int]:
+def prompt_ids(
+    tokenizer, messages: list[dict], thinking: str | None, where: str = "regeneration prompt"
+) -> list[int]:
     """The ids the target is prompted with for the next assistant turn (also what the tokenization step
-    compares its rendered prefix with before it trains on generated ids)."""
-    ids = apply_chat_template(
-        tokenizer, messages, thinking, "regeneration prompt", add_generation_prompt=True, tokenize=True
-    )
+    compares its rendered prefix with before it trains on generated ids); `where` names the conversation
+    in a template's refusal."""
+    ids = apply_chat_template(tokenizer, messages, thinking, where, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
