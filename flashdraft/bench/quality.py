@@ -41,12 +41,13 @@ from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
 from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
-from flashdraft.data.engines import ENGINES
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
+from flashdraft.devices import resolve_device
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.evaluate import EvalSettings, resolve_device, run_eval
+from flashdraft.generate.engines import ENGINES
+from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.infer.report import png_written_by
 from flashdraft.model.drafter_dir import resolve_mask_token_id
 from flashdraft.model.target import load_target_config, load_target_tokenizer

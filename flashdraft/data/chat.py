@@ -16,8 +16,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from flashdraft.data.render import TOOLS_KEY
-from flashdraft.data.render import prompt_ids as render_prompt_ids
+from flashdraft.data.render import TOOLS_KEY, prompt_ids
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -222,9 +221,10 @@ def _check_text(value, field: str, where: str) -> None:
             pending.extend((v, f"{name}[{j}]") for j, v in enumerate(item))
 
 
-def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
-    """Token ids of the conversation up to its last user turn, ready for the assistant's answer, rendered
-    with the target's own chat template (as a serving engine renders it)."""
+def conversation_prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
+    """Token ids of the conversation up to its last user turn, ready for the assistant's answer: its own
+    `input_ids` when it came as ids, else rendered by `render.prompt_ids` (the one prompt renderer, with the
+    target's own chat template, as a serving engine renders it)."""
     if conversation.input_ids is not None:
         return conversation.input_ids
     messages = list(conversation.messages)
@@ -238,4 +238,4 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
         )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
-    return render_prompt_ids(tokenizer, messages, thinking, conversation.where)
+    return prompt_ids(tokenizer, messages, thinking, conversation.where)

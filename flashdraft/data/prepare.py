@@ -67,8 +67,9 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
 
     import torch
 
-    from flashdraft.data.engines import choose_engine
-    from flashdraft.data.local_regen import LocalJob, describe, key_settings, resolve_devices
+    from flashdraft.data.local_regen import LocalJob, describe, key_settings
+    from flashdraft.devices import resolve_devices
+    from flashdraft.generate.engines import choose_engine
 
     check_safetensors_weights(target)  # before any worker tries to unpickle a pytorch_model.bin
     devices = resolve_devices(settings.device, settings.workers)

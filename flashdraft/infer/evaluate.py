@@ -20,11 +20,13 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.config import EVAL_ENGINES, EvalSettings  # EvalSettings: importable from here too
-from flashdraft.data.chat import normalise, prompt_ids
+from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.sources import read_records
+from flashdraft.data.stops import target_stop_ids
+from flashdraft.devices import resolve_device
 from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.decode import Generation, generate
+from flashdraft.generate.speculative import Generation, generate
 from flashdraft.infer.report import (
     PRODUCER,
     acceptance_report,
@@ -105,24 +107,6 @@ def first_divergence(
     }
 
 
-def resolve_device(device: str) -> torch.device:
-    """`--device`: auto (a GPU when there is one), cpu, cuda or cuda:N; anything else is one line."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise FlashdraftError(f"--device {device}: not a device (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FlashdraftError(f"--device {device}: no CUDA GPU is visible here (use --device cpu)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FlashdraftError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible")
-    elif dev.type != "cpu":
-        raise FlashdraftError(f"--device {device}: eval runs on cpu or cuda")
-    return dev
-
-
 def _check_settings(settings: EvalSettings) -> None:
     """The same limits as the command's flags, for callers that build settings in code."""
     if settings.sampling.max_new_tokens < 1:
@@ -158,7 +142,7 @@ def encode_prompts(
         raise FlashdraftError(f"--prompts {prompts}: no prompts")
     encoded = []
     for record, where in records:
-        ids = prompt_ids(normalise(record, where), tokenizer, thinking)
+        ids = conversation_prompt_ids(normalise(record, where), tokenizer, thinking)
         if not ids:
             raise FlashdraftError(f"{where}: the prompt has no tokens")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -219,7 +203,9 @@ def run_eval(
     drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
     target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
     block = settings.block_size or drafter.block_size
-    stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    # the stop rule regeneration uses: a target whose generation config lists several eos ids ends its turn
+    # at any of them, not only at the tokenizer's eos
+    stop_ids = target_stop_ids(target_path, tokenizer, settings.thinking, required=False)
 
     g = torch.Generator(device=dev).manual_seed(settings.sampling.seed)
 
