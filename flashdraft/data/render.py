@@ -417,6 +417,8 @@ def prompt_ids(
     text = apply_chat_template(
         tokenizer, messages, thinking, where, add_generation_prompt=True, tokenize=False
     )
+    if not text:  # a template that renders nothing: no ids (eval names such a prompt)
+        return []
     return encode_rendering(tokenizer, text, messages, thinking, where, add_generation_prompt=True)[0]
 
 
