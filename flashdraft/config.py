@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 import types
@@ -440,6 +441,30 @@ class EvalSettings:
     dtype: str = doc(
         "auto", "target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)", choices=DTYPES
     )
+
+
+def check_eval_settings(settings: EvalSettings) -> None:
+    """The limits of `flashdraft eval`'s flags, also for callers that build settings in code; checked by
+    the CLI before anything heavy loads."""
+    if settings.sampling.max_new_tokens < 1:
+        raise FlashdraftError(f"--max-new-tokens must be at least 1, got {settings.sampling.max_new_tokens}")
+    if settings.block_size is not None and settings.block_size < 1:
+        raise FlashdraftError(f"--block-size must be at least 1, got {settings.block_size}")
+    if settings.max_prompts < 0:
+        raise FlashdraftError(f"--max-prompts must be 0 (all) or more, got {settings.max_prompts}")
+    if settings.check_lossless not in (False, True, "fp32"):
+        raise FlashdraftError(f"--check-lossless {settings.check_lossless!r}: give no value, or fp32")
+    if settings.check_lossless and settings.sampling.temperature != 0:
+        raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
+    if settings.engine not in EVAL_ENGINES:
+        raise FlashdraftError(f"--engine {settings.engine}: expected one of {', '.join(EVAL_ENGINES)}")
+    if settings.dtype not in DTYPES:
+        raise FlashdraftError(f"--dtype {settings.dtype}: expected auto, bf16 or fp32")
+    if settings.engine == "zlab" and importlib.util.find_spec("dflash") is None:
+        raise FlashdraftError(
+            "--engine zlab runs z-lab's own loop, and its package is not installed: "
+            "pip install --no-deps dflash==0.1.0"
+        )
 
 
 @dataclass

@@ -15,7 +15,7 @@ from flashdraft.cli.flags import (
     start_models,
     threads_of,
 )
-from flashdraft.config import FORCE_HELP, EvalSettings
+from flashdraft.config import FORCE_HELP, EvalSettings, check_eval_settings
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.locate import find_drafter
 
@@ -41,13 +41,14 @@ def _drafter(path: str, label: str) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    settings = settings_from(args, EvalSettings, check_lossless=args.check_lossless)
+    check_eval_settings(settings)  # the flags first, then the paths
+    if not device_is_well_formed(args.device):  # infer/evaluate.py's wording
+        raise FlashdraftError(f"--device {args.device}: not a device (use auto, cpu, cuda or cuda:N)")
     check_target(args.target)
     drafter = _drafter(args.drafter, "--drafter")
     if not Path(args.prompts).exists():  # data/sources.py's wording, before torch loads
         raise FlashdraftError(f"{args.prompts}: no such file")
-    if not device_is_well_formed(args.device):  # infer/evaluate.py's wording
-        raise FlashdraftError(f"--device {args.device}: not a device (use auto, cpu, cuda or cuda:N)")
-    settings = settings_from(args, EvalSettings, check_lossless=args.check_lossless)
     start_models(threads_of(args), args.device)
     from flashdraft.infer.evaluate import run_eval
 

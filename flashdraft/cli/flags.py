@@ -32,11 +32,15 @@ from flashdraft.config import (
 )
 from flashdraft.errors import FlashdraftError
 
-__all__ = [
+__all__ = [  # the validators are re-exported for the command modules' hand-declared flags
+    "THREADS_ENV",
+    "THREADS_HELP",
     "add_threads_flag",
     "block_size_value",
     "check_target",
     "close_flag_hint",
+    "device_is_well_formed",
+    "flag_name",
     "flags_from",
     "int_list",
     "non_negative_float",
@@ -44,14 +48,15 @@ __all__ = [
     "positive_int",
     "probability",
     "settings_from",
+    "split_config",
+    "start_models",
+    "threads_of",
 ]
 
 THREADS_HELP = (
     "CPU threads for the model's work (default: the cores this process may use that no other process "
     "keeps busy; on a GPU, torch's own count; also $FLASHDRAFT_THREADS)"
 )
-
-
 THREADS_ENV = "FLASHDRAFT_THREADS"  # `launch --threads N` hands N to its job's `flashdraft train` this way
 
 
@@ -181,11 +186,6 @@ def device_is_well_formed(device: str) -> bool:
     """auto, cpu, cuda or cuda:N: the forms every command takes (whether that GPU exists is the
     command's to say, once torch is loaded)."""
     return bool(DEVICE_SYNTAX.match(device))
-
-
-def check_exists(path: str | Path, label: str) -> None:
-    if not Path(path).exists():
-        raise FlashdraftError(f"{label} {path}: no such file or directory")
 
 
 def split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:

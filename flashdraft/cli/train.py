@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -22,6 +23,7 @@ from flashdraft.cli.flags import (
 )
 from flashdraft.config import Config, InitSettings, describe, load_config
 from flashdraft.errors import FlashdraftError
+from flashdraft.run_protocol import RUN_DIR_ENV
 
 RUNS_HELP = "runs directory (default $FLASHDRAFT_RUNS_DIR or ./runs)"
 
@@ -108,11 +110,20 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     path, overrides = split_config(args.config, args.overrides)
-    config = load_config(path, overrides)  # config errors before the heavy stack loads
-    if config.model.target:
-        check_target(config.model.target)
-    _check_data_paths(config)
-    start_models(threads_of(args), config.train.device)
+    # In a launched run (launch checked the config and ran the doctor) the job reports every error itself,
+    # in error.json and final.json for status to read: there the checks below are left to it.
+    launched = bool(os.environ.get(RUN_DIR_ENV))
+    try:
+        config = load_config(path, overrides)  # config errors before the heavy stack loads
+    except FlashdraftError:
+        if not launched:
+            raise
+        config = None
+    if config is not None and not launched:
+        if config.model.target:
+            check_target(config.model.target)
+        _check_data_paths(config)
+    start_models(threads_of(args), config.train.device if config is not None else "auto")
     from flashdraft.train.job import run_job
 
     run_job(path, overrides)

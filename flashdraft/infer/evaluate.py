@@ -5,7 +5,6 @@ ties apart from real divergences, and optionally z-lab's own loop run beside our
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import statistics
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.config import EVAL_ENGINES, EvalSettings  # EvalSettings: importable from here too
+from flashdraft.config import check_eval_settings as _check_settings
 from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.sources import read_records
 from flashdraft.data.stops import target_stop_ids
@@ -107,27 +107,6 @@ def first_divergence(
     }
 
 
-def _check_settings(settings: EvalSettings) -> None:
-    """The same limits as the command's flags, for callers that build settings in code."""
-    if settings.sampling.max_new_tokens < 1:
-        raise FlashdraftError(f"--max-new-tokens must be at least 1, got {settings.sampling.max_new_tokens}")
-    if settings.block_size is not None and settings.block_size < 1:
-        raise FlashdraftError(f"--block-size must be at least 1, got {settings.block_size}")
-    if settings.max_prompts < 0:
-        raise FlashdraftError(f"--max-prompts must be 0 (all) or more, got {settings.max_prompts}")
-    if settings.check_lossless not in (False, True, "fp32"):
-        raise FlashdraftError(f"--check-lossless {settings.check_lossless!r}: give no value, or fp32")
-    if settings.check_lossless and settings.sampling.temperature != 0:
-        raise FlashdraftError("--check-lossless compares greedy outputs: use it with --temperature 0")
-    if settings.engine not in ENGINES:
-        raise FlashdraftError(f"--engine {settings.engine}: expected one of {', '.join(ENGINES)}")
-    if settings.dtype not in ("auto", *DTYPES):
-        raise FlashdraftError(f"--dtype {settings.dtype}: expected auto, bf16 or fp32")
-    if settings.engine == "zlab" and importlib.util.find_spec("dflash") is None:
-        raise FlashdraftError(
-            "--engine zlab runs z-lab's own loop, and its package is not installed: "
-            "pip install --no-deps dflash==0.1.0"
-        )
 
 
 def encode_prompts(

@@ -8,8 +8,7 @@ import inspect
 
 import pytest
 
-from flashdraft.data.chat import normalise
-from flashdraft.data.chat import prompt_ids as conversation_prompt_ids
+from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.render import prompt_ids, render_conversation, special_ids
 from flashdraft.errors import FlashdraftError
 
