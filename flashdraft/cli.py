@@ -237,6 +237,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         max_prompts=args.max_prompts,
         engine=args.engine,
         dtype=args.dtype,
+        batch_size=args.batch_size,
     )
     run_eval(
         args.target,
@@ -694,9 +695,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine",
-        choices=["flashdraft", "zlab"],
+        choices=["flashdraft", "eager", "fast", "zlab"],
         default="flashdraft",
-        help="zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
+        help="flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
+        "batched with --batch-size (greedy, full-attention targets; else eager, with a note); "
+        "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="prompts decoding together on --engine fast, each row refilled as it finishes",
     )
     p.add_argument(
         "--dtype",

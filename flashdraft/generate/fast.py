@@ -339,6 +339,7 @@ class FastEngine:
         if not prompts:
             return []
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+        self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
         with decoding_attention_kernels():
             self._allocate(longest + self.max_new + self.block)
