@@ -10,9 +10,8 @@ import time
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.cli import main
-from flashdraft.generate.fast import FastEngine, unsupported_reason
+from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
@@ -100,18 +99,6 @@ def test_fast_engine_equals_zlab_dflash_generate(pair, prompts, trained, monkeyp
         )
         assert list(theirs.acceptance_lengths) == run.accepted
         assert theirs.output_ids[0, theirs.num_input_tokens :].tolist() == run.tokens
-
-
-def test_what_the_fast_engine_cannot_decode_is_named():
-    hybrid = TargetModel(
-        build_model(tiny_config("qwen3_5", vocab_size=64, hidden_size=32, num_layers=4)), [1]
-    )
-    assert "linear_attention" in unsupported_reason(hybrid, None, 0.0)
-    plain = TargetModel(build_model(tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=2)), [1])
-    assert unsupported_reason(plain, None, 0.0) is None
-    assert "sampled" in unsupported_reason(plain, None, 0.7)
-    with pytest.raises(ValueError, match="linear_attention"):
-        FastEngine(hybrid, None, 4)
 
 
 def _eval_report(trained, prompts_file, out, *extra: str) -> dict:
