@@ -698,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["flashdraft", "eager", "fast", "zlab"],
         default="flashdraft",
         help="flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
-        "batched with --batch-size (greedy, full-attention targets; else eager, with a note); "
+        "batched with --batch-size (greedy, full or sliding attention; else eager, with a note); "
         "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
     )
     p.add_argument(
