@@ -343,7 +343,7 @@ EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than rege
 FORCE_HELP = "replace an existing non-empty --out (never the target or an input)"
 THINKING = ("on", "off")
 REGENERATION_ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
-EVAL_ENGINES = ("flashdraft", "zlab")
+EVAL_ENGINES = ("flashdraft", "eager", "fast", "zlab")
 DTYPES = ("auto", "bf16", "fp32")
 
 
@@ -435,11 +435,16 @@ class EvalSettings:
     max_prompts: int = doc(0, "use only the first N prompts (0: all)", "non_negative_int")
     engine: str = doc(
         "flashdraft",
+        "flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
+        "batched with --batch-size (greedy, full or sliding attention; else eager, with a note); "
         "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
         choices=EVAL_ENGINES,
     )
     dtype: str = doc(
         "auto", "target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)", choices=DTYPES
+    )
+    batch_size: int = doc(
+        1, "prompts decoding together on --engine fast, each row refilled as it finishes", "positive_int"
     )
 
 
@@ -460,6 +465,12 @@ def check_eval_settings(settings: EvalSettings) -> None:
         raise FlashdraftError(f"--engine {settings.engine}: expected one of {', '.join(EVAL_ENGINES)}")
     if settings.dtype not in DTYPES:
         raise FlashdraftError(f"--dtype {settings.dtype}: expected auto, bf16 or fp32")
+    if settings.batch_size < 1:
+        raise FlashdraftError(f"--batch-size must be at least 1, got {settings.batch_size}")
+    if settings.batch_size > 1 and settings.engine != "fast":
+        raise FlashdraftError(
+            f"--batch-size {settings.batch_size}: batched decoding runs on the fast engine: add --engine fast"
+        )
     if settings.engine == "zlab" and importlib.util.find_spec("dflash") is None:
         raise FlashdraftError(
             "--engine zlab runs z-lab's own loop, and its package is not installed: "

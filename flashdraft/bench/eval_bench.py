@@ -91,6 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target-layers", type=int, default=None, help="fewer target layers (stated in the result)"
     )
+    parser.add_argument(
+        "--engine",
+        choices=["eager", "fast"],
+        default="eager",
+        help="eval's decoding loop (flashdraft eval --engine; docs/export-and-eval.md)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="eval rows decoding together (--engine fast)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = "cpu" if args.tiny else "cuda"
@@ -186,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         str(work / "target"),
         str(drafter),
         str(work / "prompts.jsonl"),
-        EvalSettings(sampling=Sampling(max_new_tokens=args.max_new_tokens), check_lossless=True),
+        EvalSettings(
+            sampling=Sampling(max_new_tokens=args.max_new_tokens),
+            check_lossless=True,
+            engine=args.engine,
+            batch_size=args.batch_size,
+        ),
         device=device,
         out=str(work / "eval.json"),
         plot_path=str(work / "eval.png"),

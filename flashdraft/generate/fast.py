@@ -6,8 +6,9 @@ every step. This engine keeps the same algorithm and changes only where the stat
 
 - the target's K/V sit in per-layer buffers `[rows, KV heads, width, head dim]` (`TargetKV`), written in
   place at each row's own columns; the drafter's context K/V likewise (`_context`), so nothing grows;
-- a rejected draft needs no rollback for full attention: a row's keys past its committed length are
-  masked out by the next step's mask and overwritten by its next verify;
+- a rejected draft needs no rollback for full or sliding attention: a row's keys past its committed length
+  are masked out by the next step's mask and overwritten by its next verify (sliding layers keep every
+  key and their mask sees only the window);
 - rows are ragged: each has its own committed length, accepts its own count per step, finishes on its
   own, and is refilled with the next prompt at once (`generate` over many prompts);
 - acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
@@ -16,12 +17,14 @@ every step. This engine keeps the same algorithm and changes only where the stat
   width bucket and replayed; on the CPU, or when capture fails, the same step runs eagerly.
 
 Block size 1 skips the drafter: plain decoding through the same engine, the speedup's baseline.
-Greedy decoding of full-attention targets with DFlash drafters only (`unsupported_reason`); anything else
-runs on the eager loop, which stays the reference this engine is tested against.
+Greedy decoding of full- and sliding-attention targets with DFlash drafters only (`unsupported_reason`);
+anything else (sampling, linear-attention hybrids, DFlash2) runs on the eager loop, which stays the
+reference this engine is tested against.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
 
@@ -40,19 +43,42 @@ _CPU_BUCKET = 16
 def unsupported_reason(
     target: TargetModel, drafter: DFlashDraftModel | None, temperature: float
 ) -> str | None:
-    """Why the fast engine cannot decode this (None: it can). It needs greedy decoding, a target whose every
-    layer is full attention storing its keys through `cache.update` (Llama, Qwen3 and their kin), and a
-    DFlash drafter (a DFlash2 candidate selector proposes through its own path)."""
+    """Why the fast engine cannot decode this (None: it can). It needs greedy decoding, a target whose
+    layers are full or sliding-window attention storing their keys through `cache.update` and taking a
+    per-layer-type dict of ready 4-D masks (Llama, Qwen3 and their kin), and a DFlash drafter (a DFlash2
+    candidate selector proposes through its own path)."""
     from flashdraft.generate.static import unsupported_reason as static_reason
 
     if temperature != 0:
         return "sampled decoding runs on the eager loop"
-    reason = static_reason(target.model)
-    if reason:
-        return reason
+    text = target.config
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds - {"full_attention", "sliding_attention"}:
+        return (
+            f"its layers are {', '.join(sorted(kinds))}: the fast engine handles full and sliding attention"
+        )
+    if kinds == {"full_attention"}:
+        reason = static_reason(target.model)
+        if reason:
+            return reason
+    elif not isinstance(getattr(text, "sliding_window", None), int):
+        return "its sliding layers name no sliding_window"
+    elif not {"position_ids", "logits_to_keep"} <= set(inspect.signature(target.model.forward).parameters):
+        return "its forward takes no position ids or logits_to_keep"
     if drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
         return "a DFlash2 drafter proposes through its candidate selector"
     return None
+
+
+def _masks(visible_columns: Tensor, positions: Tensor, window: int | None) -> Tensor | dict[str, Tensor]:
+    """The target's 4-D boolean masks [rows, 1, queries, columns] for queries at `positions` [rows, q]: a
+    query sees every key up to its own position; in sliding layers only the last `window` of them (as
+    transformers' sliding mask: query - key < window). With sliding layers, one mask per layer type."""
+    queries = positions[:, None, :, None]
+    full = visible_columns[None, None, None, :] <= queries
+    if window is None:
+        return full
+    return {"full_attention": full, "sliding_attention": full & (visible_columns > queries - window)}
 
 
 class TargetKV:
@@ -137,6 +163,8 @@ class FastEngine:
         self.graph_failure: str | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cache_argument = target._cache_kwarg
+        sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
+        self.window: int | None = int(target.config.sliding_window) if sliding else None
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}
 
     # -- buffers ---------------------------------------------------------------------------------------
@@ -226,8 +254,7 @@ class FastEngine:
                 positions,
                 visible,
             )
-        # a query at block offset i sees every key up to its own position
-        mask = self.column_index[:visible][None, None, None, :] <= positions[:, None, :, None]
+        mask = _masks(self.column_index[:visible], positions, self.window)
         self.kv.columns.copy_(positions)
         self.kv.visible = visible
         output, features = self.target._run_with_capture(
@@ -300,7 +327,7 @@ class FastEngine:
         neither a stop nor the last allowed)."""
         length = prompt.shape[1]
         positions = torch.arange(length, device=self.device)[None]
-        mask = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()[None, None]
+        mask = _masks(torch.arange(length, device=self.device), positions, self.window)
         self.kv.prefill_row = row
         try:
             output, features = self.target._run_with_capture(
@@ -339,6 +366,7 @@ class FastEngine:
         if not prompts:
             return []
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+        self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
         with decoding_attention_kernels():
             self._allocate(longest + self.max_new + self.block)

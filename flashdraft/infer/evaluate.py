@@ -26,6 +26,7 @@ from flashdraft.data.stops import target_stop_ids
 from flashdraft.devices import resolve_device
 from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
+from flashdraft.generate.fast import FastEngine, unsupported_reason
 from flashdraft.generate.speculative import Generation, generate
 from flashdraft.infer.report import (
     PRODUCER,
@@ -105,8 +106,6 @@ def first_divergence(
         "tie": gap <= tolerance,
         "dtype": str(target.dtype).removeprefix("torch."),
     }
-
-
 
 
 def encode_prompts(
@@ -204,13 +203,24 @@ def run_eval(
 
     reuse = plain_runs is not None and settings.sampling.temperature == 0
     reused = reuse and len(plain_runs) == len(encoded)
-    run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
-    if not reused:
-        run(encoded[0], False)
+    decoder = _decoder_record(settings, target, drafter)
+    if "note" in decoder:
+        console.print(f"note: {decoder['note']}", highlight=False)
+    fast_spec: list[Generation] = []
+    fast_plain: list[Generation] = []
+    if decoder["engine"] == "fast":  # every prompt decoded up front, `batch_size` rows at a time
+        fast_spec, fast_plain = _fast_runs(
+            encoded, settings, target, drafter, block, stop_ids, decoder, plain=not reused
+        )
+    else:
+        run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
+        if not reused:
+            run(encoded[0], False)
     spec, plain, divergences = [], [], []
     for i, prompt in enumerate(encoded):
-        spec_run = run(prompt, True)
-        plain_run = plain_runs[i] if reused else run(prompt, False)
+        fast = decoder["engine"] == "fast"
+        spec_run = fast_spec[i] if fast else run(prompt, True)
+        plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False)
         spec.append(spec_run)
         plain.append(plain_run)
         console.print(
@@ -228,6 +238,7 @@ def run_eval(
     report.update(
         {
             "plain_decoding": "reused from an earlier greedy eval of the same prompts" if reused else "run",
+            "decoder": decoder,
             "target": str(target_dir),
             "drafter": str(drafter_dir),
             "prompts_file": str(prompts),
@@ -275,6 +286,7 @@ def run_eval(
             f"τ on the {shared['tokens']} tokens both wrote alike (ours / z-lab)",
             f"{shared['tau_flashdraft']:.3f} / {shared['tau_zlab']:.3f}",
         )
+    table.add_row("decoder", f"{decoder['engine']}, batch {decoder['batch_size']}")
     table.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
     table.add_row("plain tokens/s (same code, B=1)", f"{report['baseline_tokens_per_s']:.1f}")
     table.add_row("speedup", f"{report['speedup']:.2f}x")
@@ -299,6 +311,52 @@ def run_eval(
         reason = disk_full_reason(exc, Path(where).parent) or exc.strerror or str(exc)
         raise FlashdraftError(f"cannot write the report {where}: {reason}") from None
     return report
+
+
+def _decoder_record(settings: EvalSettings, target: TargetModel, drafter) -> dict[str, Any]:
+    """Which loop decodes (`--engine fast` falls back to the eager loop, saying why, for what the fast
+    engine cannot decode) and with how many rows."""
+    if settings.engine != "fast":
+        return {"engine": "eager", "batch_size": 1}
+    reason = unsupported_reason(target, drafter, settings.sampling.temperature)
+    if reason is None:
+        return {"engine": "fast", "batch_size": settings.batch_size}
+    if settings.batch_size > 1:
+        raise FlashdraftError(
+            f"--batch-size {settings.batch_size}: the fast engine cannot decode this ({reason})"
+        )
+    return {
+        "engine": "eager",
+        "batch_size": 1,
+        "note": f"--engine fast cannot decode this ({reason}): ran eager",
+    }
+
+
+def _fast_runs(
+    encoded: list[torch.Tensor],
+    settings: EvalSettings,
+    target: TargetModel,
+    drafter,
+    block: int,
+    stop_ids: list[int],
+    decoder: dict[str, Any],
+    plain: bool,
+) -> tuple[list[Generation], list[Generation]]:
+    """Speculative and (when `plain`) plain decoding of every prompt on the fast engine, the plain one
+    block size 1 through the same engine; each warmed up (and its CUDA graphs captured) on the first
+    prompt before the timed runs. The engines' records go into `decoder`."""
+    new, rows = settings.sampling.max_new_tokens, settings.batch_size
+    spec_engine = FastEngine(target, drafter, new, block_size=block, stop_token_ids=stop_ids, rows=rows)
+    plain_engine = FastEngine(target, None, new, stop_token_ids=stop_ids, rows=rows)
+    spec_engine.generate(encoded[:1])
+    spec = spec_engine.generate(encoded)
+    decoder["speculative"] = spec_engine.describe()
+    if not plain:
+        return spec, []
+    plain_engine.generate(encoded[:1])
+    plain_runs = plain_engine.generate(encoded)
+    decoder["plain"] = plain_engine.describe()
+    return spec, plain_runs
 
 
 def _is_tie(divergence: dict[str, Any]) -> bool:

@@ -208,7 +208,8 @@ def test_eval_command_reports_tau_speedup_and_plot(trained, tmp_path, capsys):
     )
 
 
-def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
+@pytest.mark.parametrize("engine", [[], ["--engine", "fast", "--batch-size", "2"]], ids=["eager", "fast"])
+def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path, engine):
     """The H200 `flashdraft bench eval` path (target-generated data -> trained drafter -> eval), tiny."""
     import json
 
@@ -231,12 +232,14 @@ def test_eval_benchmark_pipeline_runs_end_to_end_on_a_tiny_target(tmp_path):
                 "24",
                 "--out",
                 str(out),
+                *engine,
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
     assert report["lossless"]["diverged"] == [] and report["tau"] >= 1.0 and report["speedup"] > 0
+    assert report["decoder"]["engine"] == ("fast" if engine else "eager")
     assert report["timings"]["train_s"] > 0 and report["training_steps"] == 20
     assert (
         report["command"].startswith("flashdraft bench eval --tiny --work ")

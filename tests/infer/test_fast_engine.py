@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
-from flashdraft.generate.fast import FastEngine, unsupported_reason
+from flashdraft.cli import main
+from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
@@ -101,13 +101,32 @@ def test_fast_engine_equals_zlab_dflash_generate(pair, prompts, trained, monkeyp
         assert theirs.output_ids[0, theirs.num_input_tokens :].tolist() == run.tokens
 
 
-def test_what_the_fast_engine_cannot_decode_is_named():
-    hybrid = TargetModel(
-        build_model(tiny_config("qwen3_5", vocab_size=64, hidden_size=32, num_layers=4)), [1]
+def _eval_report(trained, prompts_file, out, *extra: str) -> dict:
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    argv += ["--prompts", str(prompts_file), "--max-new-tokens", str(NEW), "--device", "cpu"]
+    assert main([*argv, "--check-lossless", "--out", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_eval_on_the_fast_engine_in_batches_reports_the_eager_tau(trained, prompts, tmp_path):
+    """`eval --engine fast --batch-size 3`: the same τ, histogram and outputs as the eager loop (fp32), its
+    plain baseline through the same engine, and the decoder named in the report."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for p in prompts))
+    eager = _eval_report(trained, prompts_file, tmp_path / "eager.json", "--engine", "eager")
+    fast = _eval_report(
+        trained, prompts_file, tmp_path / "fast.json", "--engine", "fast", "--batch-size", "3"
     )
-    assert "linear_attention" in unsupported_reason(hybrid, None, 0.0)
-    plain = TargetModel(build_model(tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=2)), [1])
-    assert unsupported_reason(plain, None, 0.0) is None
-    assert "sampled" in unsupported_reason(plain, None, 0.7)
-    with pytest.raises(ValueError, match="linear_attention"):
-        FastEngine(hybrid, None, 4)
+    for key in ("tau", "tau_pooled", "accepted_length_histogram", "acceptance_by_position", "output_tokens"):
+        assert fast[key] == eager[key], key
+    assert fast["lossless"]["identical"] == len(prompts)
+    assert eager["decoder"] == {"engine": "eager", "batch_size": 1}
+    assert fast["decoder"]["engine"] == "fast" and fast["decoder"]["batch_size"] == 3
+    assert fast["decoder"]["speculative"]["rows"] == 3 and fast["decoder"]["plain"]["block_size"] == 1
+
+
+def test_batch_size_without_the_fast_engine_is_one_line(trained, tmp_path, capsys):
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    assert main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--batch-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flashdraft: error: --batch-size 4") and "--engine fast" in err and "\n" not in err
