@@ -17,6 +17,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         print(
-            f"received {signal.Signals(signum).name}: stopping after this step with a checkpoint", flush=True
+            f"received {signal.Signals(signum).name}: stopping after the step or evaluation batch in flight, "
+            "with a checkpoint",
+            flush=True,
         )
         self.requested = True

@@ -355,8 +355,13 @@ class Trainer:
         self.heartbeat.beat("checkpointing")
         drafter, trainer_state = self.checkpoint_contents()
         if self.topo.is_main:
+            started = time.perf_counter()
             path = save_checkpoint(
                 self.out_dir, self.state.step, drafter, trainer_state, self.config.train.keep_last
+            )
+            seconds = time.perf_counter() - started
+            self.say(
+                f"step {self.state.step}: checkpoint {path} written ({_megabytes(path)} in {seconds:.1f} s)"
             )
             self.heartbeat.beat("training", checkpoint=str(path))
 
@@ -408,6 +413,12 @@ class Trainer:
 class StepTimer:
     started: float  # time.perf_counter() at the step's start
     compiles_since: float  # compile_report.now() at the step's start
+
+
+def _megabytes(directory: Path) -> str:
+    """A checkpoint's size on disk, for the line that says it was written."""
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return f"{size / 1e6:.1f} MB"
 
 
 def non_finite(losses: list[Tensor], grad_norm: Tensor) -> Tensor:
