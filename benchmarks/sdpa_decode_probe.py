@@ -79,7 +79,7 @@ def sdpa_first_call_costs() -> list[dict]:
 def generate_step_times() -> list[dict]:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    import flashdraft.infer.decode as decode
+    import flashdraft.generate.speculative as decode
     from flashdraft.bench.shapes import QWEN3_8B
     from flashdraft.model.drafter import DFlashDraftModel
     from flashdraft.model.drafter_dir import make_drafter_config

@@ -5,12 +5,14 @@ Unknown keys and ill-typed values are errors that name the file and the dotted k
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,101 @@ import yaml
 from flashdraft.errors import FlashdraftError
 
 
-def doc(default: Any, help: str, check: str | None = None) -> Any:
-    """A dataclass field with a default and a one-line description (shown by `flashdraft init --help-config`);
-    `check` names the validator of a command-line flag made from the field (flashdraft/cli.py)."""
-    metadata = {"help": help} if check is None else {"help": help, "check": check}
+def doc(
+    default: Any,
+    help: str,
+    check: str | None = None,
+    *,
+    choices: tuple[str, ...] | None = None,
+    flag: bool = True,
+) -> Any:
+    """A dataclass field with a default and a one-line description (`flashdraft --help-config` prints the
+    config tree's). For the command settings below, the CLI makes a kebab-case flag of each field
+    (flashdraft/cli/flags.py): `check` names its validator in `TEXT_CHECKS`, `choices` its allowed values,
+    and `flag=False` keeps a field for callers in code only."""
+    metadata: dict[str, Any] = {"help": help, "flag": flag}
+    if check is not None:
+        metadata["check"] = check
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    if dataclasses.is_dataclass(default):  # a nested settings object: each instance gets its own copy
+        return field(default_factory=lambda: dataclasses.replace(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+# --------------------------------------------------------------------------- values given as text
+# The checks of command-line values, by the names `doc(check=...)` gives. They live here, not in the CLI,
+# so that other parsers (flashdraft/bench/) share them without importing the CLI.
+
+
+def _number(kind: type, text: str) -> Any:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def block_size_value(text: str) -> int:
+    value = _number(int, text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 (a block holds an anchor and drafts), got {text}"
+        )
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(float, text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def integer(text: str) -> int:
+    return _number(int, text)
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+TEXT_CHECKS: dict[str, Callable[[str], Any]] = {
+    "positive_int": positive_int,
+    "non_negative_int": non_negative_int,
+    "block_size": block_size_value,
+    "non_negative_float": non_negative_float,
+    "probability": probability,
+    "int": integer,
+    "int_list": int_list,
+}
 
 
 # A new drafter's shape when the config leaves it open (the paper's): see resolve_drafter_fields.
@@ -85,6 +175,11 @@ class DataConfig:
         False,
         "Pack several samples into each row of up to max_length tokens (each sample still sees only itself); "
         "train.batch_size then counts packed rows (docs/packing.md).",
+    )
+    allow_unverified_tokenizer: bool = doc(
+        False,
+        "Train on shards even when the target ships no tokenizer files to check their tokenizer against "
+        "(refused by default: ids from another tokenizer mean other words; docs/inputs-and-outputs.md).",
     )
 
 
@@ -239,6 +334,148 @@ class Sampling:
 
 
 EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than regeneration writes
+
+# --------------------------------------------------------------------------- command settings
+# What `prepare`, `eval` and `init` take beside their paths. Each field is one kebab-case flag of its
+# command (flashdraft/cli/flags.py makes them from these fields); code builds the same objects directly.
+
+FORCE_HELP = "replace an existing non-empty --out (never the target or an input)"
+THINKING = ("on", "off")
+REGENERATION_ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
+EVAL_ENGINES = ("flashdraft", "zlab")
+DTYPES = ("auto", "bf16", "fp32")
+
+
+@dataclass
+class PrepareSettings:
+    """`flashdraft prepare IN... --target DIR --out DIR`: rendering, regeneration and the shard set."""
+
+    max_length: int = doc(3072, "drop samples longer than this many tokens", "positive_int")
+    thinking: str | None = doc(None, "chat template thinking switch (Qwen3)", choices=THINKING)
+    regenerate: bool = doc(False, "replace every assistant turn with the target's own answer")
+    server_url: str | None = doc(None, "OpenAI-compatible server (SGLang, vLLM) to regenerate with")
+    server_model: str | None = doc(None, "model name to send to the server")
+    concurrency: int = doc(16, "requests in flight to the server", "positive_int")
+    batch_size: int = doc(
+        0,
+        "rows per batch of in-process generation (default: from free GPU memory; 64 on the CPU)",
+        "positive_int",
+    )
+    device: str = doc(
+        "auto",
+        "where in-process regeneration runs: auto (every local GPU, else the CPU), cpu, cuda, cuda:N",
+    )
+    engine: str = doc(
+        "auto",
+        "in-process engine: static (flashdraft's decode loop, CUDA graphs on a GPU), hf (batched generate), "
+        "hf-cb (continuous batching), vllm; auto: vllm if installed, else static on GPUs, hf on the CPU "
+        "(docs/regeneration.md)",
+        choices=REGENERATION_ENGINES,
+    )
+    cut_answers: str = doc(
+        "keep",
+        "answers cut at --max-new-tokens: keep (train on their tokens, never on an end of turn after them) "
+        "or drop the conversation (docs/regeneration.md)",
+        choices=("keep", "drop"),
+    )
+    workers: int = doc(1, "worker processes with --device cpu (GPUs: one each)", "positive_int")
+    render_workers: int = doc(
+        0,
+        "processes that render the samples (default: one below 20,000 conversations, else the cores)",
+        "positive_int",
+    )
+    row_groups: int = doc(
+        4,
+        "static engine: row groups by prompt length, each reading only its own cached columns (1: every "
+        "row reads the batch's full width; docs/regeneration.md)",
+        "positive_int",
+    )
+    max_retries: int = doc(
+        5,
+        "retries of a server request answered 429 or 5xx or whose connection broke (backoff with jitter)",
+        "non_negative_int",
+    )
+    max_failed_requests: int | None = doc(
+        None,
+        "server requests that may still fail after their retries (their conversations are left out; "
+        "default: 1% of the requests)",
+        "non_negative_int",
+    )
+    retry_backoff: float = doc(
+        1.0, "seconds before a server request's first retry, doubled after each", flag=False
+    )
+    limit: int = doc(0, "use only the first N conversations (0: all)", "non_negative_int")
+    min_supervised: int = doc(1, "samples with fewer supervised tokens are dropped", flag=False)
+    chunk: int = doc(
+        0,
+        "conversations per journaled regeneration chunk (default 256; 4096 when regenerating on GPUs)",
+        "positive_int",
+    )
+    skip_bad_records: bool = doc(
+        False, "skip malformed or invalid records (each reported with file and line) instead of stopping"
+    )
+    sampling: Sampling | None = doc(None, "how answers are regenerated (None: Sampling's defaults)")
+    force: bool = doc(False, FORCE_HELP)
+
+
+@dataclass
+class EvalSettings:
+    """`flashdraft eval --target DIR --drafter DIR --prompts FILE`: how the prompts are decoded."""
+
+    block_size: int | None = doc(None, "verify block size (default: the drafter's)", "positive_int")
+    sampling: Sampling = doc(Sampling(max_new_tokens=EVAL_MAX_NEW_TOKENS), "how answers are decoded")
+    thinking: str | None = doc(None, "chat template thinking switch (Qwen3)", choices=THINKING)
+    check_lossless: bool | str = doc(
+        False,
+        "also report where greedy outputs diverge, numerical ties apart from real divergences; "
+        "'--check-lossless fp32' reruns the diverged prompts in fp32 to decide",
+        flag=False,  # a flag with an optional value: declared by the eval command itself
+    )
+    max_prompts: int = doc(0, "use only the first N prompts (0: all)", "non_negative_int")
+    engine: str = doc(
+        "flashdraft",
+        "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
+        choices=EVAL_ENGINES,
+    )
+    dtype: str = doc(
+        "auto", "target and drafter dtype (auto: bf16 on a GPU, fp32 on the CPU)", choices=DTYPES
+    )
+
+
+@dataclass
+class InitSettings:
+    """`flashdraft init --target DIR --out DIR`: the shape of a new drafter (model/drafter_dir.py)."""
+
+    num_layers: int | None = doc(
+        None,
+        f"drafter decoder layers (paper: {DEFAULT_NUM_LAYERS}; default {DEFAULT_NUM_LAYERS})",
+        "positive_int",
+    )
+    arch: str = doc(
+        "dflash",
+        "dflash (paper) or dflash2 (convolutions + candidate selector, docs/drafters.md)",
+        choices=("dflash", "dflash2"),
+    )
+    layer_types: str | None = doc(
+        None,
+        "per-layer attention, e.g. S,S,S,S,F (S: causal sliding window, F: full, bidirectional); sets the "
+        "number of layers",
+    )
+    block_size: int = doc(DEFAULT_BLOCK_SIZE, "block size B (paper: 16 for Qwen3)", "block_size")
+    target_layer_ids: list[int] | None = doc(
+        None, "target layers feeding the drafter, e.g. 1,9,17,25,33 (default: the paper's rule)", "int_list"
+    )
+    mask_token_id: int | None = doc(None, "mask token id (default: from the tokenizer)", "non_negative_int")
+    sliding_window: int | None = doc(
+        None,
+        "sliding-window size (default 2048 with --layer-types); alone: the first layers slide",
+        "positive_int",
+    )
+    sliding_layers: int | None = doc(
+        None, "how many leading layers slide (default: all but the last)", "non_negative_int"
+    )
+    seed: int = doc(0, "seed of the new drafter's initialisation", "int")
+    force: bool = doc(False, FORCE_HELP)
 
 
 @dataclass

@@ -32,9 +32,10 @@ import torch
 from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import TARGETS, build_random_target
 from flashdraft.config import Sampling, load_config
-from flashdraft.data.engines import HFGenerateEngine
 from flashdraft.durable import atomic_write_json, atomic_write_text
+from flashdraft.generate.engines import HFGenerateEngine
 from flashdraft.infer.evaluate import EvalSettings, run_eval
+from flashdraft.model.target import default_dtype
 from flashdraft.train.trainer import train
 
 TINY = dict(
@@ -106,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoModelForCausalLM, Qwen3Config
 
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(Qwen3Config(**{**TINY, **tie}), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(
+                Qwen3Config(**{**TINY, **tie}), dtype=default_dtype(device)
+            )
     else:
         model = build_random_target(
-            args.target, device=device, dtype=torch.bfloat16, num_layers=args.target_layers, **tie
+            args.target, device=device, dtype=default_dtype(device), num_layers=args.target_layers, **tie
         )
     model.eval()
     vocab = model.config.vocab_size

@@ -22,9 +22,9 @@ from flashdraft.phases import PhaseClock
 def chat_prompts(target: str, prompts_file: str) -> tuple[list[list[int]], list[int], int]:
     """Each conversation's prompt ids (up to its first assistant turn), the target's stop ids, the pad id."""
     from flashdraft.data.chat import normalise
-    from flashdraft.data.local_regen import target_stop_ids
     from flashdraft.data.render import prompt_ids
     from flashdraft.data.sources import iter_records
+    from flashdraft.data.stops import target_stop_ids
     from flashdraft.model.target import load_target_tokenizer
 
     tokenizer = load_target_tokenizer(target, required=True)
@@ -82,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts, stops, pad = chat_prompts(args.target, args.prompts)
     phases.mark("prompts")
     device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    from transformers import AutoModelForCausalLM
+    from flashdraft.model.target import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa")
-    model = model.to(device).eval()
+    model = load_causal_lm(args.target, device, attention="sdpa")  # bf16 on a GPU, fp32 on the CPU
     phases.mark("load")
     started = time.perf_counter()
     new_tokens = generate_all(model, prompts, stops, pad, args.batch, args.max_new_tokens)

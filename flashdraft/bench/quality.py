@@ -40,14 +40,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
-from flashdraft.cli import block_size, non_negative_int, positive_int
-from flashdraft.config import Sampling, load_config
-from flashdraft.data.engines import ENGINES
+from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
+from flashdraft.devices import resolve_device
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.evaluate import EvalSettings, resolve_device, run_eval
+from flashdraft.generate.engines import ENGINES
+from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.infer.report import png_written_by
 from flashdraft.model.drafter_dir import resolve_mask_token_id
 from flashdraft.model.target import load_target_config, load_target_tokenizer
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="token id of masked block positions (default: the tokenizer's mask or first free row)",
     )
-    p.add_argument("--block-size", type=block_size, default=16, help="block size B of the drafter")
+    p.add_argument("--block-size", type=block_size_value, default=16, help="block size B of the drafter")
     p.add_argument("--lr", type=positive_float, default=6e-4, help="peak AdamW learning rate")
     p.add_argument("--num-anchors", type=positive_int, default=256, help="blocks trained per sequence")
     p.add_argument("--max-length", type=positive_int, default=2048, help="tokens per training sequence")

@@ -138,13 +138,12 @@ def step_time(
     """Milliseconds of one static-engine decode step at `rows` x `columns` with each decode attention
     (`grouped`, `grouped-fused`, and `model`: the model's own SDPA), bf16 with CUDA graphs on a GPU, fp32
     eager on the CPU; with `profile`, also each attention's `top_kernels`."""
-    from transformers import AutoModelForCausalLM
-
-    from flashdraft.data.decode_loop import StaticEngine
+    from flashdraft.generate.static import StaticEngine
+    from flashdraft.model.target import load_causal_lm
 
     device = torch.device("cuda" if torch.cuda.is_available() and device_name != "cpu" else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa").to(device)
+    model = load_causal_lm(target, device, attention="sdpa")
+    dtype = model.dtype
     sampling = Sampling(max_new_tokens=columns)
     result: dict = {"rows": rows, "columns": columns, "device": str(device), "dtype": str(dtype)}
     for attention in ("grouped", "grouped-fused", "model"):

@@ -13,9 +13,10 @@ back out (docs/inputs-and-outputs.md).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
-from flashdraft.data.render import TOOLS_KEY, apply_chat_template
+from flashdraft.data.render import TOOLS_KEY, prompt_ids
 from flashdraft.errors import FlashdraftError
 
 _SHAREGPT_ROLES = {
@@ -121,7 +122,7 @@ def _tools(raw, where: str) -> list[dict]:
     """The record's tool list: function schemas, as a list or as JSON text of one (some datasets)."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
+            raw = load_json(raw, f"{where}: 'tools'")
         except json.JSONDecodeError:
             raise FlashdraftError(f"{where}: 'tools' is text that is not JSON") from None
     if not isinstance(raw, list) or not all(
@@ -138,9 +139,21 @@ def _json_type(value) -> str:
     return names.get(type(value), "a number")
 
 
+def load_json(text: str, where: str):
+    """`json.loads`, with a value nested too deeply for Python's parser (RecursionError) reported as an
+    error naming `where`, like any other malformed JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise FlashdraftError(
+            f"{where}: JSON nested too deeply to read (more than {sys.getrecursionlimit()} levels); "
+            "fix or remove that record"
+        ) from None
+
+
 def parse_json_object(line: str, where: str) -> dict:
     try:
-        record = json.loads(line)
+        record = load_json(line, where)
     except json.JSONDecodeError as exc:
         raise FlashdraftError(f"{where}: invalid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
@@ -183,12 +196,35 @@ def normalise(record: dict, where: str) -> Conversation:
             )
     if record.get("tools") is not None:
         messages[0] = {**messages[0], TOOLS_KEY: _tools(record["tools"], where)}
+    for i, m in enumerate(messages):
+        _check_text(m, f"messages[{i}]", where)
     return Conversation(messages, None, where)
 
 
-def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
-    """Token ids of the conversation up to its last user turn, ready for the assistant's answer, rendered
-    with the target's own chat template (as a serving engine renders it)."""
+def _check_text(value, field: str, where: str) -> None:
+    """Every string in `value` must be encodable text: JSON may spell a lone UTF-16 surrogate ("\\ud800"),
+    which no tokenizer accepts (a TypeError deep inside it), so it is named here with its field."""
+    pending = [(value, field)]
+    while pending:  # a loop, not recursion: the record may be nested as deeply as JSON parsing allowed
+        item, name = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise FlashdraftError(
+                    f"{where}: {name} holds a lone UTF-16 surrogate (\\u{ord(item[exc.start]):04x} at "
+                    f"character {exc.start + 1}), which is not text; fix the record or drop it"
+                ) from None
+        elif isinstance(item, dict):
+            pending.extend((v, f"{name}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            pending.extend((v, f"{name}[{j}]") for j, v in enumerate(item))
+
+
+def conversation_prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> list[int]:
+    """Token ids of the conversation up to its last user turn, ready for the assistant's answer: its own
+    `input_ids` when it came as ids, else rendered by `render.prompt_ids` (the one prompt renderer, with the
+    target's own chat template, as a serving engine renders it)."""
     if conversation.input_ids is not None:
         return conversation.input_ids
     messages = list(conversation.messages)
@@ -202,7 +238,4 @@ def prompt_ids(conversation: Conversation, tokenizer, thinking: str | None) -> l
         )
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"{conversation.where}: the target tokenizer has no chat template")
-    ids = apply_chat_template(tokenizer, messages, thinking, conversation.where, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return prompt_ids(tokenizer, messages, thinking, conversation.where)

@@ -21,13 +21,6 @@ from typing import Any
 import torch
 
 from flashdraft.config import Sampling
-from flashdraft.data.decode_loop import StaticEngine, unsupported_reason
-from flashdraft.data.engines import (
-    ContinuousBatchingEngine,
-    HFGenerateEngine,
-    VllmEngine,
-    stop_token_ids,
-)
 from flashdraft.data.regenerate import (
     Messages,
     Regenerated,
@@ -36,43 +29,12 @@ from flashdraft.data.regenerate import (
     read_journal,
     regenerate,
 )
-from flashdraft.data.render import end_of_turn_id, prompt_ids
+from flashdraft.data.render import prompt_ids
+from flashdraft.data.stops import target_stop_ids
 from flashdraft.errors import FlashdraftError
-
-
-def resolve_devices(device: str, workers: int) -> list[str]:
-    """One entry per worker: `auto` is every local GPU (else the CPU), `cuda` every GPU, `cuda:N` that one,
-    `cpu` the CPU `workers` times (--workers is for the CPU; on GPUs there is one worker per GPU)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "cpu":
-        return ["cpu"] * workers
-    if workers != 1:
-        raise FlashdraftError(
-            f"--workers {workers}: only with --device cpu (on GPUs one worker runs per GPU)"
-        )
-    if device == "auto":
-        return [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
-    if device == "cuda":
-        if not gpus:
-            raise FlashdraftError("--device cuda: no CUDA GPU is visible on this machine")
-        return [f"cuda:{i}" for i in range(gpus)]
-    if device.startswith("cuda:") and device[5:].isdigit():
-        if int(device[5:]) >= gpus:
-            raise FlashdraftError(f"--device {device}: this machine has {gpus} visible CUDA GPU(s)")
-        return [device]
-    raise FlashdraftError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
-
-
-def load_for_generation(target: str | Path, device: str):
-    """The target on `device`: bf16 on a GPU, fp32 on the CPU, SDPA attention."""
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    try:
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, OSError) as exc:
-        raise FlashdraftError(f"target {target}: cannot load as a causal LM: {exc}") from None
-    return model.to(device).eval()
+from flashdraft.generate.engines import ContinuousBatchingEngine, HFGenerateEngine, VllmEngine
+from flashdraft.generate.static import StaticEngine, unsupported_reason
+from flashdraft.model.target import default_dtype, load_causal_lm
 
 
 class LocalEngine:
@@ -115,23 +77,6 @@ class LocalJob:
     row_groups: int = 4  # the static engine's decode attention row groups (1: off)
 
 
-def target_stop_ids(target: str | Path, tokenizer, thinking: str | None) -> list[int]:
-    """The ids that end an answer of this target (engines.stop_token_ids), its generation config read
-    when it ships one."""
-    from transformers import GenerationConfig
-
-    try:
-        generation_config = GenerationConfig.from_pretrained(target)
-    except (OSError, ValueError):
-        generation_config = None  # no generation_config.json: the tokenizer and template name the stops
-    stops = stop_token_ids(tokenizer, generation_config, end_of_turn_id(tokenizer, thinking))
-    if not stops:
-        raise FlashdraftError(
-            f"target {target}: no end-of-turn token (no eos in its tokenizer or generation config)"
-        )
-    return stops
-
-
 def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
     from flashdraft.model.target import load_target_tokenizer
 
@@ -142,7 +87,7 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
         return LocalEngine(
             VllmEngine(job.target, job.sampling, stops, torch.device(device)), tokenizer, job.thinking, stops
         )
-    model = load_for_generation(job.target, device)
+    model = load_causal_lm(job.target, device, attention="sdpa")
     note = None
     reason = unsupported_reason(model) if job.engine == "static" and job.auto else None
     if reason:
@@ -267,7 +212,7 @@ def describe(job: LocalJob, devices: list[str], why: str) -> dict[str, Any]:
         "engine": job.engine,
         "engine_choice": why,
         "devices": devices,
-        "dtype": "bfloat16" if devices[0].startswith("cuda") else "float32",
+        "dtype": str(default_dtype(devices[0])).removeprefix("torch."),
         "batch_size": job.batch_size or "auto",
         **asdict(job.sampling),
     }
@@ -279,6 +224,6 @@ def key_settings(job: LocalJob, devices: list[str]) -> dict[str, Any]:
     sampled ones are seeded per conversation."""
     return {
         "engine": "local",
-        "dtype": "bfloat16" if devices[0].startswith("cuda") else "float32",
+        "dtype": str(default_dtype(devices[0])).removeprefix("torch."),
         **asdict(job.sampling),
     }

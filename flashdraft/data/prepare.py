@@ -10,14 +10,14 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.config import Sampling
+from flashdraft.config import PrepareSettings, Sampling  # PrepareSettings: importable from here too
 from flashdraft.data.chat import normalise
 from flashdraft.data.cut_answers import CUT_POLICIES, first_cut_turn
 from flashdraft.data.regenerate import REQUEST_FAILED, ServerEngine, journal_key, regenerate
@@ -34,35 +34,9 @@ from flashdraft.data.shards import JOURNAL, not_a_shard_dir, write_shards
 from flashdraft.data.sources import iter_records
 from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.target import load_target_tokenizer
+from flashdraft.model.target import check_safetensors_weights, load_target_tokenizer
 from flashdraft.outputs import check_output_dir
 from flashdraft.phases import PhaseClock
-
-
-@dataclass
-class PrepareSettings:
-    max_length: int = 3072
-    thinking: str | None = None
-    regenerate: bool = False
-    server_url: str | None = None
-    server_model: str | None = None
-    concurrency: int = 16
-    batch_size: int = 0  # 0: from free GPU memory, 64 on the CPU
-    device: str = "auto"  # auto, cpu, cuda, cuda:N (docs/regeneration.md)
-    engine: str = "auto"  # auto, static, hf, hf-cb, vllm
-    cut_answers: str = "keep"  # keep or drop answers cut at --max-new-tokens (docs/regeneration.md)
-    workers: int = 1  # CPU worker processes
-    render_workers: int = 0  # processes rendering the samples; 0: by input size (data/render_pool.py)
-    row_groups: int = 4  # static engine: decode attention row groups (data/decode_loop.py; 1: off)
-    max_retries: int = 5  # per server request, on 429, 5xx and broken connections
-    max_failed_requests: int | None = None  # None: 1% of the server requests
-    retry_backoff: float = 1.0  # seconds before the first retry, doubled after each
-    limit: int = 0
-    min_supervised: int = 1
-    chunk: int = 0  # conversations per journaled chunk; 0: 256, or 4096 for in-process GPU regeneration
-    skip_bad_records: bool = False
-    sampling: Sampling | None = None
-    force: bool = False  # replace an --out that flashdraft prepare did not make
 
 
 def target_identity(target: str | Path) -> dict[str, Any]:
@@ -93,9 +67,11 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
 
     import torch
 
-    from flashdraft.data.engines import choose_engine
-    from flashdraft.data.local_regen import LocalJob, describe, key_settings, resolve_devices
+    from flashdraft.data.local_regen import LocalJob, describe, key_settings
+    from flashdraft.devices import resolve_devices
+    from flashdraft.generate.engines import choose_engine
 
+    check_safetensors_weights(target)  # before any worker tries to unpickle a pytorch_model.bin
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
     auto = settings.engine == "auto"

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -123,7 +124,7 @@ def template_messages(
             # templates print them with `tojson` (text would be quoted twice).
             function = call.get("function", {})
             if isinstance(function.get("arguments"), str):
-                with contextlib.suppress(json.JSONDecodeError):  # not JSON: the text the model wrote
+                with contextlib.suppress(json.JSONDecodeError, RecursionError):  # the text the model wrote
                     function["arguments"] = json.loads(function["arguments"])
         reasoning = m.get("reasoning_content")
         if reasoning:
@@ -153,6 +154,133 @@ def _render_text(
 def _encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+# Content may not inject template tokens (docs/inputs-and-outputs.md, "Special tokens in content"): a
+# special token's text typed inside a message ("<|im_start|>") is tokenized as plain text; only the
+# template's own markup yields special ids. The occurrences are found by rendering the conversation once
+# more with each one wrapped in private-use markers, which the template copies through like any text.
+_MARK_START, _MARK_END = "\ue0f0", "\ue0f1"
+
+
+@lru_cache(maxsize=64)
+def _special_text_pattern(tokenizer) -> re.Pattern | None:
+    """A regex matching the text of any special token (longest first), or None when there are none."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    texts = {decoder[i].content for i in special_ids(tokenizer) if i in decoder}
+    texts |= {t for t in tokenizer.all_special_tokens if t}
+    texts = sorted((t for t in texts if t and not t.isspace()), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def _marked(value, pattern: re.Pattern):
+    """`value` (messages, tools) with every special token's text inside its strings wrapped in markers."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: f"{_MARK_START}{m.group(0)}{_MARK_END}", value)
+    if isinstance(value, dict):
+        return {k: _marked(v, pattern) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_marked(v, pattern) for v in value]
+    return value
+
+
+def _holds_special_text(value, pattern: re.Pattern) -> bool:
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, dict):
+        return any(_holds_special_text(v, pattern) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_special_text(v, pattern) for v in value)
+    return False
+
+
+def _typed_special_spans(
+    tokenizer, messages, thinking, where: str, text: str, kwargs: dict
+) -> list[tuple[int, int]]:
+    """Character spans of `text` (the conversation rendered with `kwargs`) where a special token's text
+    comes from the messages rather than from the template; [] when none does."""
+    pattern = _special_text_pattern(tokenizer)
+    if pattern is None or not _holds_special_text(messages, pattern):
+        return []
+    marked = apply_chat_template(
+        tokenizer, _marked(messages, pattern), thinking, where, tokenize=False, **kwargs
+    )
+    spans, plain, start = [], [], None
+    for char in marked:
+        if char == _MARK_START:
+            start = sum(map(len, plain))
+        elif char == _MARK_END and start is not None:
+            spans.append((start, sum(map(len, plain))))
+            start = None
+        elif char not in (_MARK_START, _MARK_END):
+            plain.append(char)
+    if "".join(plain) != text:  # the template changed the typed text (or the markers stopped it)
+        raise FlashdraftError(
+            f"{where}: a message holds a special token's text ({pattern.search(text).group(0)!r}) and the chat "
+            "template rewrites it, so it cannot be kept as plain text; remove it from the record "
+            "(or pass --skip-bad-records)"
+        )
+    return spans
+
+
+def _encode_piece(
+    tokenizer, piece: str, plain: bool, at_start: bool
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and offsets (in `piece`) of a piece of a rendering, tokenized where it stands: after a newline
+    unless it opens the text, so a SentencePiece tokenizer does not add the prefix space it adds at the start
+    of a string (the trick transformers' own control-token sanitizing uses). `plain`: special tokens' text
+    is plain text."""
+    kwargs = {"add_special_tokens": False, "return_offsets_mapping": True}
+    if plain:
+        kwargs["split_special_tokens"] = True
+    if not at_start:
+        newline = list(tokenizer("\n", add_special_tokens=False)["input_ids"])
+        enc = tokenizer("\n" + piece, **kwargs)
+        ids = list(enc["input_ids"])
+        if ids[: len(newline)] == newline:
+            offsets = [(max(0, s - 1), max(0, e - 1)) for s, e in enc["offset_mapping"][len(newline) :]]
+            return ids[len(newline) :], offsets
+    enc = tokenizer(piece, **kwargs)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def encode_rendering(
+    tokenizer, text: str, messages, thinking: str | None, where: str, **kwargs
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Ids and character offsets of `text`, the messages rendered by the template with `kwargs`: the
+    tokenizer's own encoding, except that a special token's text typed inside a message is tokenized as
+    plain text (with the text around it, up to the template's neighbouring special tokens)."""
+    ids, offsets = _encode(tokenizer, text)
+    typed = set(_typed_special_spans(tokenizer, messages, thinking, where, text, kwargs))
+    if not typed:
+        return ids, offsets
+    specials = special_ids(tokenizer)
+    injected = [i for i, (t, o) in enumerate(zip(ids, offsets, strict=True)) if t in specials and o in typed]
+    if not injected:
+        return ids, offsets
+    markup = [i for i, t in enumerate(ids) if t in specials and i not in set(injected)]
+    regions = set()  # token index ranges [lo, hi) between two of the template's special tokens
+    for i in injected:
+        lo = max((m for m in markup if m < i), default=-1) + 1
+        hi = min((m for m in markup if m > i), default=len(ids))
+        regions.add((lo, hi))
+    typed_text = text[offsets[injected[0]][0] : offsets[injected[0]][1]]
+    out_ids, out_offsets, cursor = [], [], 0
+    for lo, hi in sorted(regions):
+        start = offsets[lo - 1][1] if lo else 0
+        end = offsets[hi][0] if hi < len(ids) else len(text)
+        piece = text[start:end]
+        # where this tokenizer encodes the piece alone as it does in place, it encodes the plain piece right too
+        if _encode_piece(tokenizer, piece, plain=False, at_start=start == 0)[0] != ids[lo:hi]:
+            raise FlashdraftError(
+                f"{where}: a message holds a special token's text ({typed_text!r}) that this tokenizer cannot "
+                "tokenize as plain text where it stands; remove it from the record (or pass --skip-bad-records)"
+            )
+        piece_ids, piece_offsets = _encode_piece(tokenizer, piece, plain=True, at_start=start == 0)
+        out_ids += ids[cursor:lo] + piece_ids
+        out_offsets += offsets[cursor:lo] + [(s + start, e + start) for s, e in piece_offsets]
+        cursor = hi
+    return out_ids + ids[cursor:], out_offsets + offsets[cursor:]
 
 
 def special_ids(tokenizer) -> set[int]:
@@ -218,17 +346,21 @@ def render_conversation(tokenizer, messages: list[dict], thinking: str | None, w
                 f"{where}: the chat template renders assistant turn {i} differently from its generation prompt, "
                 "so the loss mask cannot be derived; check --thinking or the template"
             )
-        spans.append((len(before), len(through), through))
+        spans.append((len(before), len(through), through, i))
         consistent &= full_text.startswith(through)
     if consistent:
-        ids, offsets = _encode(tokenizer, full_text)
+        ids, offsets = encode_rendering(
+            tokenizer, full_text, messages[: turns[-1] + 1], thinking, where, add_generation_prompt=False
+        )
         mask = [0] * len(ids)
-        for start, end, _ in spans:
+        for start, end, _, _ in spans:
             _mark_span(ids, offsets, mask, start, end, specials)
         return [Rendered(ids, mask)]
     samples = []  # the template rewrites history: one sample per turn, exactly as served
-    for start, end, through in spans:
-        ids, offsets = _encode(tokenizer, through)
+    for start, end, through, i in spans:
+        ids, offsets = encode_rendering(
+            tokenizer, through, messages[: i + 1], thinking, where, add_generation_prompt=False
+        )
         mask = [0] * len(ids)
         _mark_span(ids, offsets, mask, start, end, specials)
         samples.append(Rendered(ids, mask))
@@ -245,10 +377,24 @@ def _render_with_generation_markers(tokenizer, messages, thinking, where) -> Ren
         return_dict=True,
         return_assistant_tokens_mask=True,
     )
-    mask = list(out["assistant_masks"])
+    ids, mask = list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
     if not any(mask):
         raise FlashdraftError(f"{where}: the template's {{% generation %}} markers selected no tokens")
-    return Rendered(list(out["input_ids"]), [int(m) for m in mask])
+    pattern = _special_text_pattern(tokenizer)
+    if pattern is None or not _holds_special_text(messages, pattern):
+        return Rendered(ids, mask)
+    # special tokens' text typed in the messages: re-encode as plain text, carrying the mask over by characters
+    text = apply_chat_template(tokenizer, messages, thinking, where, tokenize=False)
+    own_ids, own_offsets = _encode(tokenizer, text)
+    if own_ids != ids:
+        raise FlashdraftError(
+            f"{where}: the template's {{% generation %}} rendering tokenizes differently from its text, so a special "
+            "token's text typed in a message cannot be kept as plain text; remove it from the record"
+        )
+    plain_ids, plain_offsets = encode_rendering(tokenizer, text, messages, thinking, where)
+    masked = [own_offsets[i] for i, m in enumerate(mask) if m]
+    plain_mask = [int(any(s < me and e > ms for ms, me in masked)) for s, e in plain_offsets]
+    return Rendered(plain_ids, plain_mask)
 
 
 def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
@@ -262,13 +408,16 @@ def tokenizer_fingerprint(tokenizer) -> dict[str, str]:
     }
 
 
-def prompt_ids(tokenizer, messages: list[dict], thinking: str | None) -> list[int]:
-    """The ids the target is prompted with for the next assistant turn (also what the tokenization step
-    compares its rendered prefix with before it trains on generated ids)."""
-    ids = apply_chat_template(
-        tokenizer, messages, thinking, "regeneration prompt", add_generation_prompt=True, tokenize=True
+def prompt_ids(
+    tokenizer, messages: list[dict], thinking: str | None, where: str = "regeneration prompt"
+) -> list[int]:
+    """The ids the target is prompted with for the next assistant turn (regeneration and eval; also what the
+    tokenization step compares its rendered prefix with before it trains on generated ids). Encoded like a
+    training sample: a special token's text typed in a message is plain text."""
+    text = apply_chat_template(
+        tokenizer, messages, thinking, where, add_generation_prompt=True, tokenize=False
     )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return encode_rendering(tokenizer, text, messages, thinking, where, add_generation_prompt=True)[0]
 
 
 def end_of_turn_id(tokenizer, thinking: str | None) -> int | None:

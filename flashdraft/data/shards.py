@@ -208,6 +208,8 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
         raise FlashdraftError(f"{path}: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise FlashdraftError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise FlashdraftError(f"{path}: JSON nested too deeply to read (a damaged manifest?)") from None
     except OSError as exc:
         raise FlashdraftError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not isinstance(manifest, dict):
@@ -225,6 +227,19 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
                 "(an incomplete copy? run flashdraft prepare again)"
             )
     return manifest
+
+
+def missing_manifest(directory: Path) -> FlashdraftError | None:
+    """The error for a directory that holds shard arrays but no manifest.json (what an interrupted copy
+    leaves: the manifest is written last), naming the files found; None when it holds no shard arrays."""
+    found = sorted(p.name for p in directory.iterdir() if p.name.endswith(tuple(SUFFIXES.values())))
+    if not found:
+        return None
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return FlashdraftError(
+        f"data {directory}: no {MANIFEST}, but it holds shard files ({shown}); an interrupted copy? copy the "
+        f"set again including its {MANIFEST}, or run flashdraft prepare again"
+    )
 
 
 def not_a_shard_dir(directory: Path) -> str | None:
@@ -253,14 +268,25 @@ def not_a_shard_dir(directory: Path) -> str | None:
     return None
 
 
-def check_manifest(directory: Path, fingerprint: dict[str, str] | None, target: str) -> None:
+def check_manifest(
+    directory: Path, fingerprint: dict[str, str] | None, target: str, allow_unverified: bool = True
+) -> None:
     """Shards must come from the target's own tokenizer (and template): else every id means something else.
-    When that cannot be verified (no manifest, or a target without tokenizer files) say so, loudly."""
+    A target without tokenizer files (`fingerprint` None) cannot be compared with: refused unless
+    `allow_unverified` (data.allow_unverified_tokenizer), then a loud warning; no manifest: a warning."""
     manifest = read_manifest(directory)
     if manifest is None:
         warn(f"{directory} has no flashdraft manifest")
         return
     if fingerprint is None:
+        # prepare records its tokenizer's hash; a set without one (written by a benchmark) was never checkable
+        if not allow_unverified and "tokenizer_sha256" in manifest:
+            raise FlashdraftError(
+                f"data {directory}: made with tokenizer {manifest.get('tokenizer_name', '?')!r}, but the target "
+                f"{target} ships no tokenizer files to check that against, and ids of another tokenizer mean "
+                "other words; copy the target's tokenizer files (tokenizer.json, tokenizer_config.json) into "
+                f"{target}, or set data.allow_unverified_tokenizer=true if these shards were made with its tokenizer"
+            )
         warn(f"{directory}: no tokenizer files next to {target} to compare its manifest with")
         return
     if manifest.get("tokenizer_sha256") != fingerprint.get("tokenizer_sha256"):
@@ -325,6 +351,39 @@ class ShardSet:
         return shard.ids[start : start + length], shard.mask[start : start + length]
 
 
+def damaged_rows(shard: Shard) -> np.ndarray:
+    """Rows of the shard's index that cannot be what `prepare` wrote, in order. Rows tile the ids array:
+    row i is [start_i, start_i + length_i) and the next row starts where it ends (the last ends at the
+    shard's token count), and 0 <= first supervised position <= length. A damaged length breaks the
+    boundary after its row only; a damaged start breaks both boundaries of its row: so one damaged row is
+    named as that row, not its neighbours. Reads only the index (24 bytes a sample)."""
+    index = np.asarray(shard.index)
+    if not len(index):
+        return np.zeros(0, np.int64)
+    start, length, first = index[:, 0], index[:, 1], index[:, 2]
+    tokens = len(shard.ids)
+    impossible = (
+        (start < 0) | (start > tokens) | (length < 0) | (length > tokens) | (first < 0) | (first > length)
+    )
+    with np.errstate(over="ignore"):  # garbage values may overflow; such rows are `impossible` already
+        ends = start + length
+    next_start = np.append(start[1:], tokens)
+    right = ends == next_start  # the boundary after each row holds
+    left = np.insert(right[:-1], 0, start[0] == 0)  # the boundary before it
+    right_after = np.append(right[1:], True)
+    damaged = impossible | (~left & ~right) | (~right & left & right_after)
+    # a broken boundary neither neighbour explains: both sides are suspect
+    unexplained = ~right & ~damaged & ~np.append(damaged[1:], False)
+    damaged |= unexplained | np.insert(unexplained[:-1], 0, False)
+    return np.flatnonzero(damaged)
+
+
+def index_file(shard: Shard) -> str:
+    """The index file of a shard on disk (its `where` names the ids file), for messages."""
+    suffix = SUFFIXES["ids"]
+    return shard.where[: -len(suffix)] + SUFFIXES["index"] if shard.where.endswith(suffix) else shard.where
+
+
 def _map(path: Path, dtype: np.dtype, count: int, shape: tuple[int, ...]) -> np.ndarray:
     expected = count * dtype.itemsize
     size = path.stat().st_size
@@ -343,7 +402,9 @@ def open_shards(directory: Path) -> tuple[dict[str, Any], ShardSet]:
     refused with the command that converts them; files whose sizes disagree with the manifest too)."""
     manifest = read_manifest(directory)
     if manifest is None:
-        raise FlashdraftError(f"{directory}: no flashdraft manifest.json (not a shard directory)")
+        raise missing_manifest(directory) or FlashdraftError(
+            f"{directory}: no flashdraft manifest.json (not a shard directory)"
+        )
     if is_old_format(manifest):
         raise FlashdraftError(
             f"{directory}: shards in the old JSONL format (manifest.json has no format_version); "

@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from flashdraft.data.chat import parse_json_object
+from flashdraft.data.chat import load_json, parse_json_object
 from flashdraft.errors import FlashdraftError
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
@@ -97,7 +97,7 @@ def read_records(
                 f"{path} line {line}: not UTF-8 text ({exc.reason}); convert the file to UTF-8"
             ) from None
         try:
-            data = json.loads(text)
+            data = load_json(text, str(path))
         except json.JSONDecodeError as exc:
             raise FlashdraftError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
         if not isinstance(data, list):

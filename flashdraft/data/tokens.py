@@ -3,12 +3,14 @@
 Reads shard directories made by `flashdraft prepare` (memory-mapped, docs/shards.md: their manifest is
 checked against the target's tokenizer and their file sizes against the manifest), JSONL files (one
 sample per line, gzipped or not, read into memory: small data), or directories of them; data whose
-tokenizer cannot be verified gets a warning. Every malformed line is an error that names the file and
+tokenizer cannot be verified gets a warning (a shard set against a target without tokenizer files is
+refused unless data.allow_unverified_tokenizer). Every malformed line is an error that names the file and
 line; nothing is skipped silently (samples that cannot hold one block are counted and reported).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,10 @@ from flashdraft.data.shards import (
     Shard,
     ShardSet,
     check_manifest,
+    damaged_rows,
     in_memory_shard,
+    index_file,
+    missing_manifest,
     open_shards,
     read_manifest,
     warn,
@@ -90,21 +95,33 @@ class TokenDataset:
     def __getitem__(self, i: int) -> Sample:
         return Sample(*self.shards.sample(int(self.keep[i]), self.max_length))
 
+    def dropped_summary(self) -> str:
+        """What was left out, for the run's summary line: short samples and damaged index rows apart."""
+        text = f"{self.dropped['no_anchor']} dropped: no anchor"
+        damaged = self.dropped.get("damaged", 0)
+        return text + (
+            f"; {damaged} damaged index row{'s' if damaged != 1 else ''} left out" if damaged else ""
+        )
+
     def lengths(self) -> np.ndarray:
         """Every usable sample's length after truncation, from the index files (no token is read)."""
         return np.minimum(self.shards.column(1)[self.keep], self.max_length)
 
 
-def _sources(paths: list[str], fingerprint: dict[str, str] | None, target: str) -> Iterator[Path | ShardSet]:
+def _sources(
+    paths: list[str], fingerprint: dict[str, str] | None, target: str, allow_unverified: bool
+) -> Iterator[Path | ShardSet]:
     """Per data path: its opened shard set (manifest checked), or the JSONL files to read into memory."""
     for raw in paths:
         path = Path(raw)
         manifest = read_manifest(path) if path.is_dir() else None
         if manifest is not None:
             _, shards = open_shards(path)  # refuses old JSONL sets before anything else is said
-            check_manifest(path, fingerprint, target)
+            check_manifest(path, fingerprint, target, allow_unverified)
             yield shards
         elif path.is_dir():
+            if (error := missing_manifest(path)) is not None:
+                raise error
             found = sorted(
                 p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz"))
             )
@@ -126,6 +143,8 @@ def check_shard_sets(paths: list[str]) -> None:
         path = Path(raw)
         if path.is_dir() and read_manifest(path) is not None:
             open_shards(path)
+        elif path.is_dir() and (error := missing_manifest(path)) is not None:
+            raise error
 
 
 def parse_sample(line: str, where: str) -> tuple[list[int], list[int]]:
@@ -173,30 +192,57 @@ def load_token_dataset(
     vocab_size: int | None = None,
     fingerprint: dict[str, str] | None = None,
     target: str = "the target",
+    allow_unverified_tokenizer: bool = True,
 ) -> TokenDataset:
     """Samples truncated to `max_length`; those without one anchor (a supervised token with a whole block
     after it) are left out and counted in `dropped`. Shard sets are opened lazily (memory maps); plain
-    JSONL files are read into memory."""
+    JSONL files are read into memory. `fingerprint` None means the target has no tokenizer to check shard
+    manifests against: refused unless `allow_unverified_tokenizer` (train passes data.allow_unverified_tokenizer,
+    default false; library callers that check nothing keep the default)."""
     if not paths:
         raise FlashdraftError("data.train: no training data given (set data.train=[file.jsonl, ...])")
     parts: list[Shard] = []
-    for source in _sources(paths, fingerprint, target):
+    for source in _sources(paths, fingerprint, target, allow_unverified_tokenizer):
         if isinstance(source, ShardSet):
             _check_vocabulary(source, vocab_size)
             parts.extend(source.shards)
         else:
             parts.append(_read_jsonl(source, vocab_size))
     shards = ShardSet(parts)
+    damaged = _damaged(shards)
     # An anchor needs a supervised token p with p + block_size <= the truncated length.
     room = np.minimum(shards.column(1), max_length)
     usable = shards.column(2) + block_size <= room
+    usable[damaged] = False
     keep = np.flatnonzero(usable)
-    dropped = {"no_anchor": int(len(usable) - len(keep))}
+    dropped = {"no_anchor": int(len(usable) - len(keep) - len(damaged)), "damaged": len(damaged)}
     if not len(keep):
         raise FlashdraftError(
-            f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a block)"
+            f"data {paths}: no usable samples ({dropped['no_anchor']} had no supervised token with room for a "
+            f"block, {dropped['damaged']} damaged)"
         )
     return TokenDataset(shards, keep, max_length, dropped)
+
+
+def _damaged(shards: ShardSet) -> np.ndarray:
+    """Global numbers of the samples whose index rows are damaged, each shard's named in a warning: they
+    are left out and counted apart from samples without an anchor (which are fine, only short)."""
+    found = []
+    for number, shard in enumerate(shards.shards):
+        rows = damaged_rows(shard)
+        if not len(rows):
+            continue
+        shown = ", ".join(map(str, rows[:5].tolist())) + (
+            f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+        )
+        print(
+            f"warning: {index_file(shard)}: damaged index row{'s' if len(rows) > 1 else ''} {shown} "
+            "(start, length, first supervised position do not fit the shard); those samples are left out; "
+            "run flashdraft prepare again to repair the set",
+            file=sys.stderr,
+        )
+        found.append(rows + shards.starts[number])
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
 def anchor_seed(seed: int, epoch: int, index: int) -> int:

@@ -13,17 +13,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flashdraft import devices
 from flashdraft.errors import FlashdraftError
 
 
 def resolve_device(name: str) -> torch.device:
-    """`train.device`: auto (a GPU when there is one), cpu, cuda or cuda:N."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FlashdraftError(f"train.device={name}: no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver?)")
-    return device
+    """`train.device`: auto (a GPU when there is one), cpu, cuda or cuda:N (flashdraft.devices)."""
+    return devices.resolve_device(name, "train.device")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.config import EVAL_MAX_NEW_TOKENS, Sampling
-from flashdraft.data.chat import normalise, prompt_ids
+from flashdraft.config import EVAL_ENGINES, EvalSettings  # EvalSettings: importable from here too
+from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.sources import read_records
+from flashdraft.data.stops import target_stop_ids
+from flashdraft.devices import resolve_device
 from flashdraft.durable import disk_full_reason
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.decode import Generation, generate
+from flashdraft.generate.speculative import Generation, generate
 from flashdraft.infer.report import (
     PRODUCER,
     acceptance_report,
@@ -40,21 +42,7 @@ from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
 
-
-@dataclass
-class EvalSettings:
-    block_size: int | None = None
-    sampling: Sampling = field(default_factory=lambda: Sampling(max_new_tokens=EVAL_MAX_NEW_TOKENS))
-    thinking: str | None = None
-    check_lossless: bool | str = (
-        False  # False, True (at the eval's dtype) or "fp32" (diverged prompts rerun in fp32)
-    )
-    max_prompts: int = 0
-    engine: str = "flashdraft"  # "zlab": also run z-lab's dflash_generate on the same prompts
-    dtype: str = "auto"  # auto (bf16 on a GPU, fp32 on the CPU), bf16 or fp32
-
-
-ENGINES = ("flashdraft", "zlab")
+ENGINES = EVAL_ENGINES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # A divergence is a numerical tie when the two tokens' target logits differ by at most this many units in
 # the last place of the dtype the target ran in, at their magnitude (docs/export-and-eval.md).
@@ -119,24 +107,6 @@ def first_divergence(
     }
 
 
-def resolve_device(device: str) -> torch.device:
-    """`--device`: auto (a GPU when there is one), cpu, cuda or cuda:N; anything else is one line."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise FlashdraftError(f"--device {device}: not a device (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FlashdraftError(f"--device {device}: no CUDA GPU is visible here (use --device cpu)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise FlashdraftError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) are visible")
-    elif dev.type != "cpu":
-        raise FlashdraftError(f"--device {device}: eval runs on cpu or cuda")
-    return dev
-
-
 def _check_settings(settings: EvalSettings) -> None:
     """The same limits as the command's flags, for callers that build settings in code."""
     if settings.sampling.max_new_tokens < 1:
@@ -172,7 +142,7 @@ def encode_prompts(
         raise FlashdraftError(f"--prompts {prompts}: no prompts")
     encoded = []
     for record, where in records:
-        ids = prompt_ids(normalise(record, where), tokenizer, thinking)
+        ids = conversation_prompt_ids(normalise(record, where), tokenizer, thinking)
         if not ids:
             raise FlashdraftError(f"{where}: the prompt has no tokens")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -233,7 +203,9 @@ def run_eval(
     drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
     target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
     block = settings.block_size or drafter.block_size
-    stop_ids = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    # the stop rule regeneration uses: a target whose generation config lists several eos ids ends its turn
+    # at any of them, not only at the tokenizer's eos
+    stop_ids = target_stop_ids(target_path, tokenizer, settings.thinking, required=False)
 
     g = torch.Generator(device=dev).manual_seed(settings.sampling.seed)
 

@@ -15,6 +15,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
@@ -225,7 +227,28 @@ def read_config(path: str | Path) -> Qwen3Config:
         raise FlashdraftError(f"{file}: not a valid drafter config ({exc})") from None
     DFlashSpec.from_config(config, str(file))
     layer_kinds(config, str(file))
+    _check_rope(config, file)
     return config
+
+
+def _check_rope(config: Qwen3Config, file: Path) -> None:
+    """The drafter's RoPE must be one transformers can build: an unknown `rope_type` (or a known one without
+    its parameters) would otherwise be a KeyError from inside the model's constructor."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    known = ["default", *ROPE_INIT_FUNCTIONS]
+    if rope_type not in known:
+        raise FlashdraftError(
+            f"{file}: field 'rope_parameters.rope_type' is {rope_type!r}, which this transformers cannot "
+            f"build (known: {', '.join(known)}); set it to one of those (the target's own rope type)"
+        )
+    try:
+        Qwen3RotaryEmbedding(config)  # no weights: builds the inverse frequencies from the parameters
+    except (KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError) as exc:
+        raise FlashdraftError(
+            f"{file}: field 'rope_parameters' ({rope_type!r}) cannot be built: {type(exc).__name__} {exc}; "
+            "give the parameters that rope type needs (as in the target's config.json)"
+        ) from None
 
 
 def load_drafter(

@@ -1,5 +1,6 @@
 """`flashdraft export DRAFTER --to zlab|vllm|sglang --out DIR`: a drafter directory in the layout an
-engine loads, with the command that serves it (docs/export-and-eval.md).
+engine loads, with the command that serves it (docs/export-and-eval.md). DRAFTER may also be a training
+run's directory: its `best/`, else its newest checkpoint's drafter (flashdraft/model/locate.py).
 
 - zlab, sglang: the drafter directory as it is (z-lab's format; SGLang reads the same `config.json`);
   DFlash2 drafters are checked with z-lab's DFlash2DraftModel.
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from flashdraft.durable import atomic_directory, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, check_against_target, read_config
+from flashdraft.model.locate import find_drafter
 from flashdraft.model.spec import ARCHITECTURES, DFlashSpec, layer_kinds
 from flashdraft.outputs import check_output_dir
 
@@ -222,10 +224,11 @@ def export_drafter(
     force: bool = False,
     allow_sliding_window: bool = False,
 ) -> str:
-    """Write the export and return the command that serves it. Everything is checked before writing."""
+    """Write the export and return the command that serves it. Everything is checked before writing.
+    `drafter` is a drafter directory or a run directory (`find_drafter` picks its drafter)."""
     if engine not in ENGINES:
         raise FlashdraftError(f"--to {engine}: expected one of {', '.join(ENGINES)}")
-    drafter, out = Path(drafter), Path(out)
+    drafter, out = find_drafter(drafter, "DRAFTER")[0], Path(out)
     inputs = {"DRAFTER": drafter} | ({"--target": target} if target is not None else {})
     check_output_dir(out, "--out", force=force, inputs=inputs, ours=_is_export)
     config = read_config(drafter)

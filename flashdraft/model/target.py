@@ -29,6 +29,25 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_safetensors_weights(path: str | Path) -> None:
+    """Refuse a target whose weights exist only as pickled `pytorch_model.bin`: unpickling can run code, so
+    flashdraft loads safetensors only, and says how to convert (else torch's weights_only traceback)."""
+    path = target_directory(path)
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return
+    found = [name for name in _PICKLE_WEIGHTS if (path / name).is_file()]
+    if found:
+        raise FlashdraftError(
+            f"target {path}: its weights are only {found[0]} (a pickle, which flashdraft does not load); "
+            'convert them to safetensors once, if you trust the file: python -c "from transformers import '
+            f"AutoModelForCausalLM as M; M.from_pretrained('{path}').save_pretrained('{path}-safetensors')\" "
+            "and copy the tokenizer files beside the result"
+        )
+
+
 class _StopForward(Exception):
     """Raised by the capture hook after the last needed layer; caught by TargetModel."""
 
@@ -65,6 +84,33 @@ def load_target_tokenizer(path: str | Path, *, required: bool = False):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
         raise FlashdraftError(f"target {path}: cannot load its tokenizer ({exc})") from None
+
+
+def load_causal_lm(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    attention: str | None = None,
+) -> nn.Module:
+    """The target's weights as a Hugging Face causal LM in eval mode on `device`: the one loader every
+    command uses (training, eval, regeneration, the benches). `dtype` None: `default_dtype(device)`;
+    `attention`: an `attn_implementation` (e.g. "sdpa"), None for transformers' own choice. A GGUF target
+    loads from its converted copy."""
+    path = target_directory(path)
+    load_target_config(path)  # clear error for a missing or broken directory
+    check_safetensors_weights(path)
+    if dtype is None:
+        dtype = default_dtype(device)
+    extra: dict[str, Any] = {} if attention is None else {"attn_implementation": attention}
+    if torch.device(device).type == "cuda":
+        # Straight onto a GPU (device_map): the target never passes whole through host memory. On the
+        # CPU there is nothing to skip, and no accelerate-era loading path to depend on.
+        extra["device_map"] = {"": torch.device(device)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra)
+    except (ValueError, OSError) as exc:
+        raise FlashdraftError(f"target {path}: cannot load as a causal LM: {exc}") from None
+    return model.eval()
 
 
 def _decoder(model: nn.Module, num_layers: int) -> tuple[nn.ModuleList, nn.Module | None]:
@@ -107,18 +153,7 @@ class TargetModel:
         cls, path: str | Path, layer_ids, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> TargetModel:
         path = target_directory(path)  # a GGUF target: its converted copy (docs/real-target.md)
-        load_target_config(path)  # clear error for a missing or broken directory
-        if dtype is None:
-            dtype = default_dtype(device)
-        try:
-            # Straight onto a GPU (device_map): the target never passes whole through host memory. On the
-            # CPU there is nothing to skip, and no accelerate-era loading path to depend on.
-            on_gpu = torch.device(device).type == "cuda"
-            placement = {"device_map": {"": torch.device(device)}} if on_gpu else {}
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
-        except (ValueError, OSError) as exc:
-            raise FlashdraftError(f"target {path}: cannot load as a causal LM: {exc}") from None
-        return cls(model, layer_ids, name=f"target {path}")
+        return cls(load_causal_lm(path, device, dtype), layer_ids, name=f"target {path}")
 
     def set_layer_ids(self, layer_ids) -> None:
         layer_ids = list(layer_ids)

@@ -43,6 +43,7 @@ def load_training_data(config: Config, *, block_size: int, vocab_size: int, trai
         "vocab_size": vocab_size,
         "fingerprint": target_tokenizer_fingerprint(config.model.target),
         "target": config.model.target,
+        "allow_unverified_tokenizer": config.data.allow_unverified_tokenizer,
     }
     train = load_token_dataset(config.data.train, **data_kwargs)
     held_out = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None

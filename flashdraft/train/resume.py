@@ -30,6 +30,7 @@ EXEMPT = frozenset(
     {
         "model.drafter",  # the warm-start source: after a resume the weights come from the checkpoint
         "data.eval",
+        "data.allow_unverified_tokenizer",  # permission to train on data it cannot check, not what is computed
         "train.out_dir",
         "train.resume",
         "train.resume_allow_changes",

@@ -516,7 +516,7 @@ def training_line(run: RunStart, placement: Placement) -> str:
     return (
         f"training {parameters:.1f}M drafter parameters on {run.device} "
         f"x {run.topo.world_size} process(es) ({placement.attention} attention, compiled={placement.compiled}); "
-        f"{len(data.train)} samples ({data.train.dropped['no_anchor']} dropped: no anchor), {data.total_steps} steps; "
+        f"{len(data.train)} samples ({data.train.dropped_summary()}), {data.total_steps} steps; "
         f"set up in {sum(startup.seconds.values()):.1f} s ({startup.summary()})"
         + ("; the first steps compile" if placement.compiled else "")
     )

@@ -62,11 +62,19 @@ LLAMA_GENERATION_TEMPLATE = (
 )
 
 
-def make_tokenizer(style: str) -> PreTrainedTokenizerFast:
+# With `pieces`: the words a special token's text falls into when it is tokenized as plain text (typed in a
+# message, docs/inputs-and-outputs.md), after the special tokens, so the other ids stay as they are.
+PIECES = ["<", "|", ">", "/", "im_start", "im_end", "think", "begin_of_text", "start_header_id"]
+PIECES += ["end_header_id", "eot_id"]
+
+
+def make_tokenizer(style: str, pieces: bool = False) -> PreTrainedTokenizerFast:
     specials = QWEN_SPECIALS if style == "qwen" else LLAMA_SPECIALS
-    vocab = {w: i for i, w in enumerate(WORDS + specials)}
+    vocab = {w: i for i, w in enumerate(WORDS + specials + (PIECES if pieces else []))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|\n\n|\n| "
+    if pieces:  # special tokens are matched before this split; their text typed as plain text splits here
+        pattern = r"\n\n|\n| |<|\||>|/"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
     kwargs = {"unk_token": "[UNK]", "additional_special_tokens": specials}
     if style == "qwen":
@@ -94,7 +102,7 @@ def make_char_tokenizer(
     chars = ["\n", *map(chr, range(32, 127)), "[UNK]"]
     vocab = {w: i for i, w in enumerate(chars + list(specials))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    pattern = "|".join(s.replace("|", r"\|") for s in specials) + r"|[\s\S]"
+    pattern = r"[\s\S]"  # special tokens are matched before this split; as plain text they are characters
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), "isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
@@ -110,8 +118,10 @@ def make_char_tokenizer(
 @dataclass
 class FakeChatServer:
     """An OpenAI-compatible chat endpoint on loopback: answers with `answer(request body)`, records every
-    request in `seen` (with its arrival time in `arrivals`), and waits `delay` seconds before each reply (to
-    be killed mid-run). While `script` holds failures, each request gets the next one instead of an answer."""
+    request in `seen` (with its arrival time in `arrivals`), and waits `delay` seconds before each reply.
+    While `script` holds failures, each request gets the next one instead of an answer. With `hold_after`
+    set, requests beyond that many are held unanswered until `release()` (a client to be killed mid-run
+    waits there, whatever the machine's speed: `wait_held` says when it does)."""
 
     # the content, (content, finish_reason), or the whole assistant message (a dict), optionally with a reason
     answer: Callable[[dict], str | dict | tuple[str | dict, str]]
@@ -120,6 +130,19 @@ class FakeChatServer:
     seen: list[dict] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
     script: list[Failure] = field(default_factory=list)
+    hold_after: int | None = None
+    held: int = 0  # requests waiting for release()
+    _changed: threading.Condition = field(default_factory=threading.Condition)
+    _released: threading.Event = field(default_factory=threading.Event)
+
+    def wait_held(self, count: int, timeout: float = 600.0) -> bool:
+        """Wait until `count` requests are held (a generous limit: a loaded machine starts a client slowly)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.held >= count, timeout)
+
+    def release(self) -> None:
+        """Answer the held requests and every later one."""
+        self._released.set()
 
 
 @contextlib.contextmanager
@@ -136,6 +159,15 @@ def fake_chat_server(
                 server.seen.append(body)
                 server.arrivals.append(time.monotonic())
                 failure = server.script.pop(0) if server.script else None
+                hold = server.hold_after is not None and len(server.seen) > server.hold_after
+            if hold and not server._released.is_set():
+                with server._changed:
+                    server.held += 1
+                    server._changed.notify_all()
+                server._released.wait()
+                with contextlib.suppress(OSError):  # the client may be gone (killed while it waited)
+                    self._answer(body)
+                return
             if failure == RESET:
                 self.close_connection = True  # closed without a reply: the client sees a broken connection
                 return
@@ -144,6 +176,9 @@ def fake_chat_server(
                 self._send(status, text.encode(), headers)
                 return
             time.sleep(server.delay)
+            self._answer(body)
+
+        def _answer(self, body: dict) -> None:
             answer = server.answer(body)
             message, reason = answer if isinstance(answer, tuple) else (answer, "stop")
             if not isinstance(message, dict):

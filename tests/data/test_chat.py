@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from flashdraft.data.chat import normalise, prompt_ids
+from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.sources import read_records
 from flashdraft.errors import FlashdraftError
 
@@ -68,7 +68,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 )
 def test_shapes_render_the_same_prompt(record):
     tok = tiny_tokenizer()
-    ids = prompt_ids(normalise(record, "x"), tok, thinking=None)
+    ids = conversation_prompt_ids(normalise(record, "x"), tok, thinking=None)
     text = tok.decode(ids)
     assert (
         text.replace(" ", "")
@@ -79,8 +79,8 @@ def test_shapes_render_the_same_prompt(record):
 def test_prompt_response_pairs_and_thinking_switch():
     tok = tiny_tokenizer()
     conv = normalise({"prompt": "hi", "response": "ok"}, "x")
-    on = tok.decode(prompt_ids(conv, tok, thinking="on"))
-    off = tok.decode(prompt_ids(conv, tok, thinking="off"))
+    on = tok.decode(conversation_prompt_ids(conv, tok, thinking="on"))
+    off = tok.decode(conversation_prompt_ids(conv, tok, thinking="off"))
     assert on.replace(" ", "").endswith("assistant\n") and off.replace(" ", "").endswith(
         "assistant\n<think>\n\n</think>\n\n"
     )
@@ -103,7 +103,7 @@ def test_bad_records_name_the_place(record, needle):
 
 def test_assistant_only_conversation_has_no_prompt():
     with pytest.raises(FlashdraftError, match="no user turn"):
-        prompt_ids(
+        conversation_prompt_ids(
             normalise({"messages": [{"role": "assistant", "content": "ok"}]}, "x"), tiny_tokenizer(), None
         )
 

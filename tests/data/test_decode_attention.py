@@ -1,4 +1,4 @@
-"""The static engine's decode attention (flashdraft/data/decode_attention.py): equal to transformers' SDPA
+"""The static engine's decode attention (flashdraft/generate/decode_attention.py): equal to transformers' SDPA
 on random GQA inputs with masks, prefill left to SDPA, the model switched for the engine's call and
 restored after (also after an error), and the engine's decode steps really running through it."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-import flashdraft.data.decode_attention as decode_attention
+import flashdraft.generate.decode_attention as decode_attention
 from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
-from flashdraft.data.decode_attention import KERNELS, use_decode_attention
-from flashdraft.data.decode_loop import StaticEngine
 from flashdraft.errors import FlashdraftError
+from flashdraft.generate.decode_attention import KERNELS, use_decode_attention
+from flashdraft.generate.static import StaticEngine
 
 FORWARDS = {kernel: decode_attention._FORWARDS[kernel] for kernel in KERNELS}
 

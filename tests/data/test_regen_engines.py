@@ -9,16 +9,16 @@ from transformers import GenerationConfig
 
 from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
-from flashdraft.data.engines import (
+from flashdraft.data.render import end_of_turn_id
+from flashdraft.data.stops import stop_token_ids
+from flashdraft.errors import FlashdraftError
+from flashdraft.generate.engines import (
     ContinuousBatchingEngine,
     HFGenerateEngine,
     choose_engine,
     cut_at_stop,
-    stop_token_ids,
     vllm_available,
 )
-from flashdraft.data.render import end_of_turn_id
-from flashdraft.errors import FlashdraftError
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 from .helpers import make_tokenizer

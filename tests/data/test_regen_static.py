@@ -1,4 +1,4 @@
-"""The `static` engine (flashdraft/data/decode_loop.py): greedy output equal to plain `model.generate`,
+"""The `static` engine (flashdraft/generate/static.py): greedy output equal to plain `model.generate`,
 sampling equal to the `hf` engine's and independent of the batch, early stop, CUDA-graph fallback said."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 
 from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
-from flashdraft.data.decode_loop import StaticEngine, unsupported_reason
-from flashdraft.data.engines import HFGenerateEngine, choose_engine, cut_at_stop, vllm_available
 from flashdraft.errors import FlashdraftError
+from flashdraft.generate.engines import HFGenerateEngine, choose_engine, cut_at_stop, vllm_available
+from flashdraft.generate.static import StaticEngine, unsupported_reason
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 NEW = 10
@@ -41,7 +41,7 @@ def stops(model, prompts):
 def test_one_batch_decodes_by_row_groups_with_the_same_answers(model, prompts, stops, monkeypatch):
     """One batch: the rows, sorted longest prompt first, go in up to 4 groups that each read the columns
     from their longest prompt's start; the answers equal one group reading every column."""
-    import flashdraft.data.decode_attention as decode_attention
+    import flashdraft.generate.decode_attention as decode_attention
 
     calls = []
     real = decode_attention.by_row_groups

@@ -9,8 +9,9 @@ import pytest
 
 from flashdraft.cli import main
 from flashdraft.config import Sampling
-from flashdraft.data.local_regen import LocalJob, resolve_devices, run_workers
+from flashdraft.data.local_regen import LocalJob, run_workers
 from flashdraft.data.regenerate import journal_part, read_journal
+from flashdraft.devices import resolve_devices
 from flashdraft.errors import FlashdraftError
 
 CONVS = [

@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,3 +293,64 @@ def test_training_on_shards_is_bit_identical_to_the_same_data_as_jsonl(tmp_path,
     assert len(losses_a) == 4 and losses_a == losses_b
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+# ---------------------------------------------------------------- damaged or incomplete sets (#28)
+
+
+def _anchored_samples(n: int) -> list[tuple[list[int], list[int]]]:
+    """Samples that all have an anchor for block size 2, each of its own length."""
+    return [(list(range(i, i + 6 + i)), [0, 0] + [1] * (4 + i)) for i in range(n)]
+
+
+def test_a_set_without_its_manifest_names_the_manifest_and_the_files_found(tmp_path, capsys):
+    shards = tmp_path / "s"
+    write_shards(shards, _anchored_samples(4), {"tokenizer_sha256": "x"}, shard_size=2)
+    (shards / "manifest.json").unlink()  # what a copy interrupted before its last file leaves
+    with pytest.raises(FlashdraftError) as caught:
+        load_token_dataset([str(shards)], max_length=64, block_size=2)
+    message = str(caught.value)
+    assert f"data {shards}: no manifest.json, but it holds shard files (shard-00000.ids.u32" in message
+    assert "and 3 more" in message and "\n" not in message
+    assert "no manifest.json, but it holds shard files" in _one_line_error(capsys, ["inspect", str(shards)])
+
+
+def test_train_refuses_a_set_without_its_manifest_before_loading_the_target(
+    tmp_path, qwen3_target, monkeypatch
+):
+    from flashdraft.train import trainer
+
+    shards = tmp_path / "s"
+    write_shards(shards, _anchored_samples(2), {})
+    (shards / "manifest.json").unlink()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the target was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer.TargetModel, "load", refuse)
+    overrides = [f"model.target={qwen3_target}", "model.mask_token_id=300", f"data.train=[{shards}]"]
+    config = load_config(None, [*overrides, "train.device=cpu", f"train.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(FlashdraftError, match=r"no manifest\.json, but it holds shard files"):
+        trainer.train(config)
+
+
+@pytest.mark.parametrize(
+    "row,column,value",
+    [(3, 1, 10**12), (3, 1, 5), (3, 0, 2), (3, 2, -7), (3, 2, 99), (5, 1, 4), (0, 0, 1)],
+    ids=["huge-length", "short-length", "start", "negative-first", "first-past-end", "last-row", "first-row"],
+)
+def test_one_damaged_index_row_is_named_and_counted_as_damaged(tmp_path, capsys, row, column, value):
+    samples = _anchored_samples(6)
+    shards = tmp_path / "s"
+    write_shards(shards, samples, {}, shard_size=6)
+    index_path = shards / "shard-00000.index.i64"
+    index = np.fromfile(index_path, dtype="<i8").reshape(-1, 3)
+    assert index[row, column] != value
+    index[row, column] = value
+    index.tofile(index_path)
+    data = load_token_dataset([str(shards)], max_length=64, block_size=2)
+    assert data.dropped == {"no_anchor": 0, "damaged": 1}
+    assert _all(data) == [s for i, s in enumerate(samples) if i != row]  # the others read as written
+    err = capsys.readouterr().err
+    assert f"{index_path}: damaged index row {row} " in err
+    assert data.dropped_summary() == "0 dropped: no anchor; 1 damaged index row left out"

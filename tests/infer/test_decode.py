@@ -8,8 +8,8 @@ import collections
 import pytest
 import torch
 
-from flashdraft.infer.decode import generate
-from flashdraft.infer.sampling import rejection_accept
+from flashdraft.generate.sampling import rejection_accept
+from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
+from flashdraft.generate.speculative import generate
 from flashdraft.infer import evaluate
-from flashdraft.infer.decode import generate
 from flashdraft.infer.evaluate import tie_tolerance, ulp
 from flashdraft.model.target import TargetModel
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashdraft.cli import main
-from flashdraft.infer.decode import generate
+from flashdraft.generate.speculative import generate
 from flashdraft.infer.evaluate import steps_within, tau_on_shared_text
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel

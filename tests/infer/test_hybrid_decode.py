@@ -12,7 +12,7 @@ import torch
 
 from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.decode import generate
+from flashdraft.generate.speculative import generate
 from flashdraft.model import target as target_module
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config

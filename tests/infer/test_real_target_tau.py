@@ -14,8 +14,8 @@ import torch
 
 from flashdraft.cli import main
 from flashdraft.config import load_config
-from flashdraft.data.chat import normalise, prompt_ids
-from flashdraft.infer.decode import generate
+from flashdraft.data.chat import conversation_prompt_ids, normalise
+from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, load_target_tokenizer
 from flashdraft.train.trainer import train
@@ -58,7 +58,7 @@ def overfit_drafter(smollm2_fp32, tmp_path_factory) -> dict:
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     answers = []
     for i, text in enumerate(PROMPTS):
-        ids = prompt_ids(normalise({"prompt": text}, f"{prompts}:{i + 1}"), tokenizer, None)
+        ids = conversation_prompt_ids(normalise({"prompt": text}, f"{prompts}:{i + 1}"), tokenizer, None)
         answer = generate(
             target, None, torch.tensor([ids]), ANSWER_TOKENS, stop_token_ids=[tokenizer.eos_token_id]
         ).tokens
@@ -112,7 +112,7 @@ def test_zlab_and_flashdraft_accept_alike_on_the_real_target(smollm2_fp32, overf
     target = TargetModel.load(smollm2_fp32, drafter.spec.target_layer_ids, device="cpu", dtype=torch.float32)
     ours = []
     for i, text in enumerate(PROMPTS):
-        ids = prompt_ids(normalise({"prompt": text}, f"{prompts}:{i + 1}"), tokenizer, None)
+        ids = conversation_prompt_ids(normalise({"prompt": text}, f"{prompts}:{i + 1}"), tokenizer, None)
         run = generate(
             target, drafter, torch.tensor([ids]), ANSWER_TOKENS, stop_token_ids=[tokenizer.eos_token_id]
         )

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flashdraft.cli import main
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.decode import generate
+from flashdraft.generate.speculative import generate
 from flashdraft.model.dflash2 import DFlash2DraftModel
 from flashdraft.model.drafter_dir import load_drafter, save_drafter
 from flashdraft.model.export import export_drafter

@@ -300,3 +300,10 @@ def test_mask_id_errors_name_the_setting_the_user_used(qwen3_target):
         resolve_mask_token_id(qwen3_target, target, None)  # no tokenizer to choose one
     with pytest.raises(FlashdraftError, match=r"^--mask-token-id 99999"):
         resolve_mask_token_id(qwen3_target, target, 99999, label="--mask-token-id")
+
+
+def test_unknown_rope_type_names_the_field(drafter_dir):
+    config = json.loads((drafter_dir / "config.json").read_text())
+    _edit(drafter_dir, rope_parameters={**(config.get("rope_parameters") or {}), "rope_type": "bogus"})
+    message = _error(drafter_dir)
+    assert "rope_parameters.rope_type" in message and "'bogus'" in message and "config.json" in message

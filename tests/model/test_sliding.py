@@ -12,7 +12,7 @@ import torch
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.infer.decode import generate
+from flashdraft.generate.speculative import generate
 from flashdraft.model.attention import LayerKind, dense_mask, flex_mask_mod
 from flashdraft.model.drafter_dir import load_drafter, read_config
 from flashdraft.model.spec import layer_kinds

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import torch
+import shutil
 
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashdraft.cli import main
+from flashdraft.errors import FlashdraftError
 from flashdraft.model.target import TargetModel
 
 
@@ -39,3 +45,32 @@ def test_embed_and_head_are_the_targets(qwen3_target):
     ids = torch.tensor([[3, 4]])
     assert torch.equal(target.embed(ids), target.model.get_input_embeddings()(ids))
     assert target.lm_head_weight is target.model.get_output_embeddings().weight
+
+
+def _pickled_only_target(tmp_path, qwen3_target) -> str:
+    """A copy of the tiny target whose weights are only a pickled pytorch_model.bin."""
+    copy = tmp_path / "bin-target"
+    shutil.copytree(qwen3_target, copy)
+    torch.save(load_file(str(copy / "model.safetensors")), copy / "pytorch_model.bin")
+    (copy / "model.safetensors").unlink()
+    return str(copy)
+
+
+def test_a_target_with_only_pytorch_model_bin_is_refused_with_how_to_convert(tmp_path, qwen3_target):
+    target = _pickled_only_target(tmp_path, qwen3_target)
+    with pytest.raises(FlashdraftError) as info:
+        TargetModel.load(target, [1])
+    message = str(info.value)
+    assert "\n" not in message and "pytorch_model.bin" in message and target in message
+    assert "save_pretrained" in message and "safetensors" in message
+
+
+def test_prepare_regenerating_in_process_refuses_a_pickled_target_before_any_work(
+    tmp_path, qwen3_target, capsys
+):
+    target = _pickled_only_target(tmp_path, qwen3_target)
+    (tmp_path / "in.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    args = ["prepare", str(tmp_path / "in.jsonl"), "--target", target, "--out", str(tmp_path / "s")]
+    assert main([*args, "--regenerate", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pytorch_model.bin (a pickle" in err

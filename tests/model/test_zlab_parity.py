@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from flashdraft.cli import main
 from flashdraft.model.drafter_dir import load_drafter
@@ -129,3 +136,42 @@ def test_zlab_written_directory_loads_in_flashdraft(tmp_path, qwen3_target):
         a = _our_logits(ours, target, features, noise, 4)
         b = _zlab_logits(theirs, target, features, noise, 4)
     assert (a - b).abs().max().item() < 1e-4
+
+
+def _pinned_transformers() -> SpecifierSet:
+    """The transformers range pyproject.toml allows."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    (requirement,) = [
+        Requirement(r) for r in project["dependencies"] if Requirement(r).name == "transformers"
+    ]
+    return requirement.specifier
+
+
+def test_no_removal_announced_for_the_oracles_calls_falls_inside_the_pinned_range(tmp_path, qwen3_target):
+    """z-lab's loop (the oracle) passes arguments transformers deprecates; the pin must end before the version
+    that removes any of them, or the oracle (and `flashdraft eval --engine zlab`) breaks inside the range."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    pinned = _pinned_transformers()
+    assert Version(transformers.__version__) in pinned, f"testing outside the pinned range {pinned}"
+    out = tmp_path / "drafter"
+    argv = ["init", "--target", qwen3_target, "--out", str(out), "--num-layers", "2", "--block-size", "4"]
+    assert main([*argv, "--mask-token-id", "300"]) == 0
+    drafter = zlab.DFlashDraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32).eval()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        zlab.dflash_generate(drafter, target, torch.tensor([[1, 2, 3, 4, 5]]), 6, None)
+    removals = {
+        (match.group(2), str(w.message).split("`")[1] if "`" in str(w.message) else str(w.message))
+        for w in caught
+        if (match := re.search(r"(removed|deleted) in (?:version |v)?(\d+(?:\.\d+)+)", str(w.message)))
+    }
+    inside = sorted(
+        f"{arg} (removed in {version})" for version, arg in removals if Version(version) in pinned
+    )
+    assert not inside, (
+        f"pyproject allows transformers {pinned}, which removes what the oracle passes: {inside}"
+    )

