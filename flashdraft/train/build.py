@@ -29,6 +29,7 @@ from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel, load_target_config
+from flashdraft.outputs import check_writable_dir
 from flashdraft.phases import PhaseClock
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.checkpoint import ResumePoint, find_resume, remove_stale_partials
@@ -102,6 +103,7 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
         raise FlashdraftError(
             "model.target: no target model directory given (set model.target=/path/to/model)"
         )
+    check_writable_dir(out_dir, "train.out_dir")  # every rank: all fail alike, none waits on a dead peer
     if topo.is_main:  # the only writer of checkpoints clears what its dead predecessors left half-written
         for partial_dir in remove_stale_partials(out_dir):
             say(f"removed an incomplete checkpoint left by an earlier run: {partial_dir}")
