@@ -43,12 +43,30 @@ def _check_parent_writable(out: Path, flag: str) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise FlashdraftError(f"{flag} {out}: {ancestor} is a file, not a directory")
+    _check_writable(ancestor, out, flag)
+
+
+def _check_writable(directory: Path, out: Path, flag: str) -> None:
     # A probe rather than os.access: root passes access() on a directory it cannot write (read-only mount).
     try:
-        probe = tempfile.mkdtemp(prefix=".flashdraft-probe-", dir=ancestor)
+        probe = tempfile.mkdtemp(prefix=".flashdraft-probe-", dir=directory)
         os.rmdir(probe)
     except OSError as exc:
-        raise FlashdraftError(f"{flag} {out}: cannot write in {ancestor} ({exc.strerror or exc})") from None
+        raise FlashdraftError(
+            f"{flag} {out}: cannot write in {directory} ({exc.strerror or exc}); choose a writable {flag}"
+        ) from None
+
+
+def check_writable_dir(out: str | Path, flag: str) -> None:
+    """An output directory that may already hold this command's own files (a training run continued):
+    it must be a directory, or creatable, and writable; found before any work, not at the first write."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise FlashdraftError(f"{flag} {out} is a file, not a directory; choose another {flag}")
+    if path.is_dir():
+        _check_writable(path, path, flag)
+    else:
+        _check_parent_writable(path, flag)
 
 
 def check_output_dir(

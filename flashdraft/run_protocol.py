@@ -47,6 +47,31 @@ FINAL_STATES = ("finished", "failed", "stopped", "killed")
 RECORD_LINE = "flashdraft: record:"
 
 
+def default_runs_root() -> Path:
+    """Where `flashdraft launch` puts run directories when not told (`--runs-dir`): ./runs, or
+    $FLASHDRAFT_RUNS_DIR."""
+    return Path(os.environ.get("FLASHDRAFT_RUNS_DIR", "runs")).resolve()
+
+
+def resume_command(run_dir: str | Path, runs_root: str | Path | None = None) -> str:
+    """The one command that continues a launched run in its own directory (`--runs-dir` only when the run
+    does not live under the default root)."""
+    run_dir = Path(run_dir).resolve()
+    root = Path(runs_root).resolve() if runs_root is not None else default_runs_root()
+    where = "" if run_dir.parent == root else f" --runs-dir {run_dir.parent}"
+    return f"flashdraft launch --resume {run_dir.name}{where}"
+
+
+def resume_hint(run_dir: str | Path | None = None) -> str:
+    """How to continue this training job, said the same way by every message that says it: a launched job
+    (it has a run directory, $FLASHDRAFT_RUN_DIR) resumes through `launch --resume`; a plain
+    `flashdraft train` resumes by running again with train.resume=auto (the default)."""
+    run_dir = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        return f"resume with {resume_command(run_dir)}"
+    return "resume with the same flashdraft train command and train.resume=auto (the default)"
+
+
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     atomic_write_json(path, data)
 

@@ -30,6 +30,7 @@ from flashdraft.config import Sampling, load_config
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
+from flashdraft.outputs import check_writable_dir
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.trainer import train
 
@@ -336,6 +337,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
 def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, real: bool = False) -> dict:
     console = Console()
     out = Path(out)
+    check_writable_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     # The tiny models' matrices are too small to split across CPU threads: on a 2-core machine, waking the

@@ -35,9 +35,41 @@ from torch.utils.checkpoint import checkpoint
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 
+# A batch's context (its padded length) changes from step to step. Compiled with every input static, a
+# drafter layer compiles for the first length, then again at the first other one with that length made
+# symbolic ("automatic dynamic"): a second compile in step 2 (issue 28). These are the inputs that second
+# compile makes dynamic (read from TORCH_LOGS=dynamic), as dynamo names the compiled layer's inputs
+# (DrafterLayer.forward's arguments, the BlockMask's fields). Marked dynamic from the start, the first
+# compile builds the graph later steps used anyway, and none follows. The block mask's context length
+# reaches its mask_mod as a tensor (train/blocks.py): an int there would be one more constant.
+CONTEXT_DYNAMIC_SOURCES = (
+    "L['ctx']:1",
+    "L['ctx_cos']:1",
+    "L['ctx_sin']:1",
+    "L['mask']:3",  # a dense (sdpa) mask [b, 1, Q, C + Q]
+    "L['mask'].seq_lengths[1]",  # a BlockMask's key length, C + Q
+    "L['mask'].kv_indices:3",  # its tiles: [b, 1, q tiles, kv tiles] ...
+    "L['mask'].full_kv_indices:3",
+    "L['mask'].q_num_blocks:2",  # ... and the transposed ones, [b, 1, kv tiles(, q tiles)]
+    "L['mask'].q_indices:2",
+    "L['mask'].full_q_num_blocks:2",
+    "L['mask'].full_q_indices:2",
+)
+
+
+def mark_context_dynamic() -> None:
+    """Add CONTEXT_DYNAMIC_SOURCES to torch's `dynamic_sources` (keeping any the user set), once."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "dynamic_sources"):  # an older torch: it recompiles once
+        return
+    present = [s for s in config.dynamic_sources.replace(" ", "").split(",") if s]
+    config.dynamic_sources = ",".join([*present, *(s for s in CONTEXT_DYNAMIC_SOURCES if s not in present)])
+
+
 # Dynamo counts compiles per code object, and all drafter layers share DrafterLayer.forward: each layer
-# may compile for training and for evaluation, with a static then a dynamic sequence length. More than
-# this per layer is a recompile storm, reported as an error instead of degrading to eager code.
+# compiles for training and for evaluation (its context length dynamic from the first compile), and may
+# again for a rare other batch shape (an epoch's last, short micro-batch). More than this per layer is a
+# recompile storm, reported as an error instead of degrading to eager code.
 RECOMPILES_PER_LAYER = 8
 
 
@@ -253,6 +285,16 @@ def guard_compile(num_layers: int) -> None:
     warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
 
+def compile_drafter(drafter: DFlashDraftModel) -> None:
+    """torch.compile each drafter layer (fullgraph), loud on any degradation, its context length dynamic
+    from the first compile, and the first layer's input asking for a gradient in training."""
+    guard_compile(len(drafter.layers))
+    mark_context_dynamic()
+    for layer in drafter.layers:
+        layer.compile(fullgraph=True)
+    drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
+
+
 def parallelize(
     drafter: DFlashDraftModel,
     *,
@@ -296,10 +338,7 @@ def parallelize(
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if compile:
-        guard_compile(len(drafter.layers))
-        for layer in drafter.layers:
-            layer.compile(fullgraph=True)
-        drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
+        compile_drafter(drafter)
     parallel = apply_data_parallel(
         drafter, data_parallel, device, bf16_compute=bf16_compute, group=group, bucket_mb=bucket_mb
     )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flashdraft.distributed.topology import Topology, local_world_size
 from flashdraft.errors import FlashdraftError
 
 # The message header sent before each micro-batch's features: who, where, and the shape it promises.
@@ -82,6 +83,22 @@ def split_roles(
     )
     drafters = tuple(r for r in range(world_size) if r not in targets)
     return SplitRoles(rank, targets, drafters)
+
+
+def split_topology(target_ranks: int | list[int], world: Topology) -> tuple[SplitRoles, Topology]:
+    """This rank's role in a split world, and the topology that trains the drafter: on a drafter rank, the
+    drafter ranks with their own process group (every rank takes part in creating it); on a target rank,
+    the world unchanged (it trains nothing)."""
+    if not world.distributed:
+        raise FlashdraftError(
+            "distributed.mode=split needs at least 2 processes (flashdraft launch --nproc-per-node N)"
+        )
+    roles = split_roles(target_ranks, world.rank, world.world_size, local_world_size())
+    group = dist.new_group(list(roles.drafter_ranks))
+    if roles.is_target:
+        return roles, world
+    position = roles.drafter_ranks.index(world.rank)
+    return roles, Topology(position, len(roles.drafter_ranks), world.local_rank, group)
 
 
 def micro_share(indices: list[int], position: int, ranks: int) -> tuple[list[int], bool]:

@@ -26,6 +26,7 @@ from flashdraft.run_protocol import (
     records_from_log,
     write_record,
 )
+from flashdraft.run_protocol import resume_command as protocol_resume_command
 
 # How far back in the log `status` looks for record lines (the tail is also capped at 256 kB).
 LOG_RECORD_LINES = 2000
@@ -109,9 +110,9 @@ def current_status(run_dir: Path, tail: list[str] | None = None) -> dict[str, An
 
 
 def resume_command(run_dir: Path) -> str:
-    """The one command that continues a run in its own directory."""
-    where = "" if run_dir.parent == runs_root() else f" --runs-dir {run_dir.parent}"
-    return f"flashdraft launch --resume {run_dir.name}{where}"
+    """The one command that continues a run in its own directory (the phrase is run_protocol's, which the
+    trainer's messages use too)."""
+    return protocol_resume_command(run_dir, runs_root())
 
 
 def _reconcile_without_supervisor(run_dir: Path, status: dict[str, Any], tail: list[str]) -> dict[str, Any]:

@@ -228,17 +228,21 @@ def flex_block_masks(blocks: BlockBatch, ctx_len: int, kinds: list[LayerKind]) -
     context), built once per batch from the rule's intervals (flashdraft/model/block_mask.py: no
     compile, no sync) and reused by every layer."""
     masks = {}
+    # The mask_mods see the context length as a device scalar, not a Python int: an int in their closure
+    # is a constant to torch.compile, and each new padded length would compile the drafter's layers
+    # again (distributed/parallelize.py, CONTEXT_DYNAMIC_SOURCES). int32 as flex's kv_idx; a fill, no sync.
+    context_length = torch.full((), ctx_len, dtype=torch.int32, device=blocks.anchors.device)
     for kind in set(kinds):
-        mod = flex_mask_mod(blocks.anchors, blocks.keep, ctx_len, blocks.block_size, kind)
+        mod = flex_mask_mod(blocks.anchors, blocks.keep, context_length, blocks.block_size, kind)
         if blocks.doc_starts is not None:
-            mod = _within_document(mod, blocks.doc_starts, ctx_len, blocks.block_size)
+            mod = _within_document(mod, blocks.doc_starts, context_length, blocks.block_size)
         masks[kind.key] = dflash_block_mask(
             blocks.anchors, blocks.keep, ctx_len, blocks.block_size, kind, mod, blocks.doc_starts
         )
     return masks
 
 
-def _within_document(mask_mod, doc_starts: Tensor, ctx_len: int, block_size: int):
+def _within_document(mask_mod, doc_starts: Tensor, ctx_len: Tensor, block_size: int):
     """The document rule of `dense_masks` added to a flex mask_mod: no context key before the block's sample."""
 
     def mod(b, h, q_idx, kv_idx):

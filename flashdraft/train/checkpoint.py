@@ -31,6 +31,7 @@ from flashdraft.durable import atomic_directory, disk_full_reason, remove_partia
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from flashdraft.run_protocol import resume_hint
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"
@@ -128,7 +129,7 @@ def save_checkpoint(
         if full:
             raise FlashdraftError(
                 f"checkpoint step {step}: disk full writing {root}: {full}; the earlier checkpoints are intact "
-                "(free space, or lower train.keep_last, then resume with train.resume=auto)"
+                f"(free space, or lower train.keep_last, then {resume_hint()})"
             ) from None
         raise FlashdraftError(
             f"checkpoint step {step}: cannot write {root}: {type(exc).__name__}: {exc}"
@@ -149,15 +150,22 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        what = f" ({found.group(1)})" if found else ""
+        if found is None:  # not an object it refused: bytes that are no pickle torch writes (damaged)
+            reason = re.search(
+                r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", " ".join(str(exc).split())
+            )
+            raise FlashdraftError(
+                f"{file}: cannot read: not a trainer state ({reason.group(1) if reason else 'unpickling failed'}); "
+                "the file is damaged"
+            ) from None
         raise FlashdraftError(
-            f"{file}: refused: it holds a pickled object{what} beyond tensors and plain values, which could "
-            "run code when loaded; flashdraft writes none, so this file was not written by this version of "
-            "flashdraft or was tampered with"
+            f"{file}: refused: it holds a pickled object ({found.group(1)}) beyond tensors and plain values, "
+            "which could run code when loaded; flashdraft writes none, so this file was not written by this "
+            "version of flashdraft or was tampered with"
         ) from None
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+    except Exception as exc:  # garbage makes the unpickler fail in its own ways (IndexError, KeyError...)
         raise FlashdraftError(
-            f"{file}: cannot read ({type(exc).__name__}: {exc})".replace("\n", " ")
+            f"{file}: cannot read ({type(exc).__name__}: {exc}); the file is damaged".replace("\n", " ")
         ) from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__

@@ -1,4 +1,5 @@
-"""Whether a checkpoint may be continued with this run's settings (docs/training-safety.md).
+"""Resuming: whether a checkpoint may be continued with this run's settings (docs/training-safety.md), and
+restoring the trainer's state from it (`restore_training`).
 
 A checkpoint records the resolved config and the world size of the run that wrote it. Resuming with
 settings that change the trajectory (learning rate, anchors, γ, global batch, data...) would
@@ -13,8 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from flashdraft.config import Config, to_dict
+from flashdraft.data.tokens import EpochSampler
+from flashdraft.distributed.parallelize import load_sharded_optimizer
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.train.checkpoint import ResumePoint, set_rng_state
+from flashdraft.train.optim import named_optimizer_state, positional_optimizer_state
+from flashdraft.train.state import TrainState
 
 # Keys that do not change what is computed: logging, checkpoint cadence, evaluation, placement, paths.
 EXEMPT = frozenset(
@@ -125,3 +134,54 @@ def check_resume_config(
         "another trajectory. Restore them, start over in another train.out_dir, or set "
         "train.resume_allow_changes=true if the change is meant"
     )
+
+
+def restore_training(
+    point: ResumePoint,
+    *,
+    drafter: DFlashDraftModel,
+    optimizer: torch.optim.Optimizer,
+    sharded: bool,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    sampler: EpochSampler,
+    state: TrainState,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Continue from a verified checkpoint: the optimizer state (re-keyed when the checkpoint was written
+    with the other layout, sharded or replicated), the schedule, the sampler's position, the RNG states
+    and the trainer's progress. The drafter's weights are loaded before placement (`parallelize`)."""
+    saved = point.state
+    layout, optimizer_state = saved.get("optimizer_layout", "replicated"), saved["optimizer"]
+    wanted = optimizer_layout(sharded)
+    if layout != wanted:  # fsdp <-> ddp or one process: the same state, keyed otherwise
+        if isinstance(optimizer_state.get("state"), list):
+            raise FlashdraftError(
+                f"train.resume: {point.path} holds bf16 weights with fp32 master weights "
+                f"(train.master_weights), which cannot move from {layout} to {wanted} training yet; "
+                "resume with the checkpoint's distributed.data_parallel"
+            )
+        names = [name for name, _ in drafter.named_parameters()]
+        convert = named_optimizer_state if layout == "replicated" else positional_optimizer_state
+        optimizer_state = convert(optimizer_state, names)
+        log(f"resume: the optimizer state moves from {layout} to {wanted} training")
+    try:
+        if sharded:
+            load_sharded_optimizer(drafter, optimizer, optimizer_state)
+        else:
+            optimizer.load_state_dict(optimizer_state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise FlashdraftError(
+            f"train.resume: the optimizer state in {point.path} does not fit this run "
+            f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
+        ) from None
+    scheduler.load_state_dict(saved["scheduler"])
+    sampler.load_state_dict(saved["sampler"])
+    set_rng_state(saved["rng"])
+    state.load_state_dict(saved)
+    log(f"resumed from {point.path} at step {state.step}")
+
+
+def optimizer_layout(sharded: bool) -> str:
+    """How a checkpoint's optimizer state is keyed: FSDP's is saved whole and keyed by parameter name
+    ('sharded'); a replica's as torch keeps it ('replicated')."""
+    return "sharded" if sharded else "replicated"

@@ -17,7 +17,8 @@ from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.train import trainer
 from flashdraft.train.checkpoint import list_checkpoints
-from flashdraft.train.trainer import lr_lambda, train
+from flashdraft.train.schedule import lr_lambda
+from flashdraft.train.trainer import train
 from tests.faults import fault_env
 
 

@@ -1,0 +1,67 @@
+"""The drafter a run trains: warm-started from `model.drafter`, or new from the target's config and the
+model.* settings; and the config as actually trained (what config.yaml records and a resume compares)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flashdraft.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS, Config, resolve_drafter_fields
+from flashdraft.errors import FlashdraftError
+from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.drafter_dir import (
+    check_against_target,
+    load_drafter,
+    make_drafter_config,
+    new_drafter,
+    read_config,
+    resolve_mask_token_id,
+)
+from flashdraft.model.spec import default_gamma, parse_layer_types
+
+
+def build_drafter(config: Config, target_config) -> DFlashDraftModel:
+    """`model.drafter` checked against the target and loaded, else a new drafter initialised from
+    train.seed (its shape from model.num_layers, block_size, layer_types...)."""
+    m = config.model
+    if m.drafter:
+        drafter_config = read_config(m.drafter)
+        check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
+        return load_drafter(m.drafter, target=target_config)
+    layer_types = None if m.layer_types is None else parse_layer_types(m.layer_types, "model.layer_types")
+    num_layers = m.num_layers if m.num_layers is not None else len(layer_types or []) or DEFAULT_NUM_LAYERS
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise FlashdraftError(
+            f"config: model.layer_types has {len(layer_types)} entries for model.num_layers={num_layers}"
+        )
+    mask = resolve_mask_token_id(m.target, target_config, m.mask_token_id)
+    drafter_config = make_drafter_config(
+        target_config,
+        num_layers=num_layers,
+        block_size=m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE,
+        mask_token_id=mask,
+        target_layer_ids=m.target_layer_ids,
+        layer_types=layer_types,
+        sliding_window=m.sliding_window,
+        arch=m.arch or "dflash",
+    )
+    drafter = new_drafter(drafter_config)
+    drafter.init_weights(torch.Generator().manual_seed(config.train.seed))
+    return drafter
+
+
+def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
+    """The config as actually trained: the drafter's shape fields and the γ in use (what config.yaml
+    records and a resume compares); model.* values that disagree with model.drafter are an error."""
+    spec = drafter.spec
+    actual = {
+        "num_layers": int(drafter.config.num_hidden_layers),
+        "block_size": spec.block_size,
+        "target_layer_ids": [int(i) for i in spec.target_layer_ids],
+        "mask_token_id": int(spec.mask_token_id),
+    }
+    source = f"{config.model.drafter}/config.json" if config.model.drafter else "new drafter"
+    resolved = resolve_drafter_fields(config, actual, source)
+    gamma = config.train.gamma or default_gamma(spec.block_size)
+    return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, gamma=float(gamma)))
