@@ -6,7 +6,8 @@
             bar.advance(tokens=len(answer_ids))
 
 On a terminal (stderr is a TTY) it draws a rich progress bar; in a log or a pipe it writes one plain line
-every `interval` seconds and one at the end, so a log is never silent for long and never floods. Each line
+every `interval` seconds (also while one item takes long) and one at the end when the step took that long,
+so a log is never silent for long, never floods, and a quick step leaves nothing. Each line
 has done/total, the rate (items/s, and tokens/s when `advance` is given `tokens=`), the ETA and the latest
 `**fields` (a running τ, say). `heartbeat`, when given, is called on every update with one keyword,
 `progress={...}`, so `Heartbeat.beat` (which throttles its own writes) can be passed as is and a supervised
@@ -77,7 +78,7 @@ class Progress:
         *,
         stream: TextIO | None = None,
         mode: str | None = None,
-        interval: float = DEFAULT_INTERVAL_S,
+        interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.label = label
@@ -88,19 +89,24 @@ class Progress:
         self.mode = mode or choose_mode(self.stream)
         if self.mode not in MODES:
             raise ValueError(f"progress mode {self.mode!r}: expected one of {MODES}")
-        self.interval = interval
+        self.interval = DEFAULT_INTERVAL_S if interval is None else interval
         self.clock = clock
         self.done = 0
         self.tokens = 0
         self.fields: dict[str, Any] = {}
         self.started = clock()
         self._last_line = self.started
+        self._lines = 0
         self._lock = threading.Lock()
         self._closed = False
         self._rich: Any = None
         self._task: Any = None
+        self._stop_ticker = threading.Event()
         if self.mode == "rich":
             self._start_rich()
+        if self.mode == "plain" and clock is time.monotonic and self.interval > 0:
+            # one item can take minutes (a batch of answers): the line (and the heartbeat) still comes
+            threading.Thread(target=self._tick, name=f"progress {label}", daemon=True).start()
 
     # --- numbers -------------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -157,7 +163,8 @@ class Progress:
             parts.append(f"done in {format_duration(self.elapsed())}")
         else:
             eta = self.eta()
-            parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA ?")
+            if self.total is not None:
+                parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA ?")
             parts.append(f"elapsed {format_duration(self.elapsed())}")
         parts.extend(f"{k}={_format_field(v)}" for k, v in self.fields.items())
         return f"{self.label}: " + ", ".join(parts)
@@ -196,6 +203,15 @@ class Progress:
             if now - self._last_line >= self.interval:
                 self._last_line = now
                 self._write(self.line())
+                self._lines += 1
+
+    def _tick(self) -> None:
+        while not self._stop_ticker.wait(self.interval):
+            with self._lock:
+                if self._closed:
+                    return
+                if self.clock() - self._last_line >= self.interval:
+                    self._update()
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed log never stops the work
@@ -209,6 +225,7 @@ class Progress:
             if self._closed:
                 return
             self._closed = True
+            self._stop_ticker.set()
             if self.heartbeat is not None:
                 self.heartbeat(progress=self.snapshot())
             if self._rich is not None:
@@ -217,7 +234,8 @@ class Progress:
                 self._rich = None
                 with _live_lock:
                     _live_bars -= 1
-            elif self.mode == "plain":
+            elif self.mode == "plain" and (self._lines or self.elapsed() >= self.interval):
+                # a step over within one interval leaves no line: a log shows only what took a while
                 self._write(self.line(final=True))
 
     # --- rich ----------------------------------------------------------------------------------------
@@ -274,7 +292,7 @@ def track(
     *,
     stream: TextIO | None = None,
     mode: str | None = None,
-    interval: float = DEFAULT_INTERVAL_S,
+    interval: float | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[Progress]:
     """Report a step's progress for the `with` block; the final line is written however the block ends."""

@@ -9,6 +9,7 @@ import select
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -49,10 +50,10 @@ def test_unknown_total_and_a_step_that_raises_still_ends_with_a_line() -> None:
     clock, out = FakeClock(), io.StringIO()
     with (
         pytest.raises(RuntimeError),
-        track("reading", total=None, stream=out, mode="plain", clock=clock) as bar,
+        track("reading", total=None, stream=out, mode="plain", interval=2, clock=clock) as bar,
     ):
-        clock.now += 4
         bar.advance(8)
+        clock.now += 4
         raise RuntimeError("boom")
     assert out.getvalue() == "reading: 8 items, 2 items/s, done in 0:04\n"
 
@@ -85,14 +86,34 @@ def test_off_mode_writes_nothing_and_env_overrides_mode(monkeypatch: pytest.Monk
     assert choose_mode(io.StringIO()) == "plain"  # not a terminal
 
 
-def test_note_and_format_duration() -> None:
-    out = io.StringIO()
-    bar = Progress("x", 1, stream=out, mode="plain")
+def test_a_quick_step_leaves_only_its_notes() -> None:
+    clock, out = FakeClock(), io.StringIO()
+    bar = Progress("x", 1, stream=out, mode="plain", interval=10, clock=clock)
     bar.note("kept 3 answers")
+    clock.now += 9
+    bar.advance()
     bar.close()
     bar.close()
-    assert out.getvalue().splitlines()[0] == "kept 3 answers"
-    assert len(out.getvalue().splitlines()) == 2
+    assert out.getvalue() == "kept 3 answers\n"
+
+
+def test_a_long_item_still_gets_lines_and_heartbeats() -> None:
+    """Nothing advances, yet the log gets a line and the heartbeat a beat each interval."""
+    out, beats, seen = io.StringIO(), [], threading.Event()
+
+    def beat(**fields) -> None:
+        beats.append(fields)
+        seen.set()
+
+    with track("slow", total=3, stream=out, mode="plain", interval=0.05, heartbeat=beat):
+        assert seen.wait(60)
+        while not out.getvalue():  # the line is written right after the beat
+            assert seen.wait(60)
+    assert out.getvalue().startswith("slow: 0/3 items (0%), ETA ?")
+    assert beats[0]["progress"]["done"] == 0
+
+
+def test_format_duration() -> None:
     assert [format_duration(s) for s in (7, 754, 3723)] == ["0:07", "12:34", "1:02:03"]
 
 

@@ -108,8 +108,13 @@ def test_merging_parts_keeps_partials_only_where_nothing_finished(tmp_path: Path
     assert set(read_partial(journal)) == {"k2", "k4"}
 
 
-def test_progress_counts_answers_in_plain_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_progress_counts_answers_in_plain_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("flashdraft.progress.DEFAULT_INTERVAL_S", 0)  # a line per batch
     regenerate(ITEMS, FakeEngine().complete, tmp_path / "j.jsonl", answer_batch=4, progress_mode="plain")
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 5  # 4 batches (4 + 1 answers of turn 0, 3 of turn 1, 1 of turn 2), the final line
+    last = lines[-1]
     assert last.startswith(f"regenerating: {ANSWERS}/{ANSWERS} answers (100%)")
     assert "tokens/s" in last
