@@ -104,8 +104,8 @@ class Progress:
         self._stop_ticker = threading.Event()
         if self.mode == "rich":
             self._start_rich()
-        if self.mode == "plain" and clock is time.monotonic and self.interval > 0:
-            # one item can take minutes (a batch of answers): the line (and the heartbeat) still comes
+        if (self.mode == "plain" or heartbeat is not None) and clock is time.monotonic and self.interval > 0:
+            # one item can take minutes (a batch of answers): the line and the heartbeat still come
             threading.Thread(target=self._tick, name=f"progress {label}", daemon=True).start()
 
     # --- numbers -------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class Progress:
             with self._lock:
                 if self._closed:
                     return
-                if self.clock() - self._last_line >= self.interval:
+                if self.mode != "plain" or self.clock() - self._last_line >= self.interval:
                     self._update()
 
     def _write(self, text: str) -> None:

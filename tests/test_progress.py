@@ -113,6 +113,12 @@ def test_a_long_item_still_gets_lines_and_heartbeats() -> None:
     assert beats[0]["progress"]["done"] == 0
 
 
+def test_the_heartbeat_keeps_beating_without_a_log() -> None:
+    beats = threading.Semaphore(0)
+    with track("quiet", total=1, mode="off", interval=0.05, heartbeat=lambda **kw: beats.release()):
+        assert beats.acquire(timeout=60) and beats.acquire(timeout=60)  # two ticks, nothing advanced
+
+
 def test_format_duration() -> None:
     assert [format_duration(s) for s in (7, 754, 3723)] == ["0:07", "12:34", "1:02:03"]
 
