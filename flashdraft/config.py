@@ -415,6 +415,11 @@ class PrepareSettings:
     skip_bad_records: bool = doc(
         False, "skip malformed or invalid records (each reported with file and line) instead of stopping"
     )
+    threads: int | None = doc(
+        None,
+        "CPU threads (None: from the free cores, flashdraft/cpu_threads.py)",
+        flag=False,  # the shared --threads flag of the commands that run models (cli/flags.py)
+    )
     sampling: Sampling | None = doc(None, "how answers are regenerated (None: Sampling's defaults)")
     force: bool = doc(False, FORCE_HELP)
 

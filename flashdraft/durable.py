@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,6 +91,30 @@ def atomic_write_json(path: str | Path, data: Any, indent: int | None = 1) -> Pa
     return atomic_write_bytes(path, (json.dumps(data, indent=indent, default=str) + "\n").encode("utf-8"))
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for every thread, for a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def widen_to_umask(root: str | Path) -> None:
+    """Give every file under `root` the read bits the umask allows: writers that go through their own
+    private temporary (safetensors' save_file leaves 0600) would otherwise leave files only their owner
+    can read, beside the 0644 ones written normally."""
+    readable = 0o444 & ~_umask()
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISREG(mode) and (mode & readable) != readable:
+                os.chmod(path, stat.S_IMODE(mode) | readable)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | Path, *, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temporary directory beside `final`; when the block ends without an exception its
@@ -104,6 +129,7 @@ def atomic_directory(final: str | Path, *, replace: bool = False) -> Iterator[Pa
     tmp.mkdir()
     try:
         yield tmp
+        widen_to_umask(tmp)
         fsync_tree(tmp)
         if final.exists():
             old = _tmp_name(final, "old")

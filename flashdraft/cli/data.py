@@ -43,7 +43,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     settings = settings_from(args, PrepareSettings)
     if not device_is_well_formed(settings.device):  # data/local_regen.py's wording
         raise FlashdraftError(f"--device {settings.device!r}: expected auto, cpu, cuda or cuda:N")
-    start_models(threads_of(args), settings.device)
+    settings.threads = threads_of(args)
+    start_models(settings.threads, settings.device)
     from flashdraft.data.prepare import prepare
     from flashdraft.phases import PhaseClock
 

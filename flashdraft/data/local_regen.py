@@ -75,6 +75,7 @@ class LocalJob:
     threads: int = 0  # CPU threads per worker (0: torch's default)
     auto: bool = False  # chosen by --engine auto: `static` may fall back to `hf` for a target it cannot drive
     row_groups: int = 4  # the static engine's decode attention row groups (1: off)
+    answer_batch: int | None = None  # answers per journaled batch (None: a chunk's turn at once)
 
 
 def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
@@ -110,11 +111,16 @@ def _worker(rank: int, device: str, job: LocalJob, items: list, journal: Path, e
         if device.startswith("cuda") and job.engine != "vllm":  # vllm picks its GPU by visibility
             torch.cuda.set_device(torch.device(device))
         engine = build_engine(job, device)
-
-        def progress(n: int, total: int) -> None:
-            print(f"worker {rank} ({device}): regenerated {n}/{total}", flush=True)
-
-        regenerate(items, engine.complete, journal, job.chunk, progress, write_to=journal_part(journal, rank))
+        regenerate(
+            items,
+            engine.complete,
+            journal,
+            job.chunk,
+            write_to=journal_part(journal, rank),
+            answer_batch=job.answer_batch,
+            progress_label=f"worker {rank} ({device}): regenerating",
+            progress_mode="plain",  # one rich bar per process would garble a shared terminal
+        )
         errors.put((rank, engine.describe()))  # not an error: the engine's record, for the manifest
     except BaseException as exc:
         message = (
@@ -199,7 +205,9 @@ def regenerate_locally(
             torch.set_num_threads(job.threads)
         engine = build_engine(job, devices[0], tokenizer)
         merge_journal_parts(journal)  # parts left by an interrupted parallel run
-        done = regenerate(items, engine.complete, journal, job.chunk, on_progress)
+        done = regenerate(
+            items, engine.complete, journal, job.chunk, on_progress, answer_batch=job.answer_batch
+        )
         return done, [engine.describe()]
     details = run_workers(items, job, devices, journal)
     done = read_journal(journal)

@@ -39,6 +39,12 @@ from flashdraft.outputs import check_output_dir
 from flashdraft.phases import PhaseClock
 
 
+# Answers per journaled batch on the CPU: a kill loses at most this many; a server gets a few rounds of its
+# concurrent requests per batch, so stragglers hold up little.
+CPU_ANSWER_BATCH = 16
+SERVER_ROUNDS_PER_BATCH = 4
+
+
 def target_identity(target: str | Path) -> dict[str, Any]:
     """What identifies the target's weights cheaply: its real path, config and weight files' sizes and
     modification times (hashing gigabytes of weights on every run would be too slow)."""
@@ -63,10 +69,9 @@ def _write_failed(exc: OSError, where: Path, what: str) -> FlashdraftError:
 
 def local_regeneration(target: str, sampling: Sampling, settings: PrepareSettings) -> dict[str, Any]:
     """Devices, engine and job of in-process regeneration, decided (and bad flags refused) before work."""
-    import os
-
     import torch
 
+    from flashdraft.cpu_threads import available_cpus, configure_threads
     from flashdraft.data.local_regen import LocalJob, describe, key_settings
     from flashdraft.devices import resolve_devices
     from flashdraft.generate.engines import choose_engine
@@ -75,7 +80,11 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     devices = resolve_devices(settings.device, settings.workers)
     engine, why = choose_engine(settings.engine, torch.device(devices[0]), sampling)
     auto = settings.engine == "auto"
-    threads = max(1, (os.cpu_count() or 1) // len(devices)) if devices[0] == "cpu" and len(devices) > 1 else 0
+    threads = 0
+    if devices[0] == "cpu" and len(devices) > 1:  # workers share the cores this process may use
+        threads = settings.threads or max(1, available_cpus() // len(devices))
+    elif devices[0] == "cpu":
+        threads = configure_threads(settings.threads, "cpu")
     # a GPU engine runs a chunk as a few large batches: small chunks would leave it mostly idle
     chunk = settings.chunk or (4096 if devices[0].startswith("cuda") else 256)
     job = LocalJob(
@@ -88,6 +97,8 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
         threads,
         auto,
         settings.row_groups,
+        # on the CPU a batch of answers takes minutes: journal (and report) a small batch at a time
+        answer_batch=None if devices[0].startswith("cuda") else (settings.batch_size or CPU_ANSWER_BATCH),
     )
     return {
         "job": job,
@@ -174,6 +185,7 @@ def prepare(
     cut_last: list[bool] = []
     cut_ids: list[list[int] | None] = []
     cut_counts: Counter[str] = Counter()
+    turns_after_cut = 0  # assistant turns left out because an earlier answer of theirs was cut
     id_counts: Counter[str] = Counter()
     if settings.regenerate:
         if local is None:
@@ -213,7 +225,6 @@ def prepare(
             items.append((journal_key(messages, seen[text], key_settings), messages))
             seen[text] += 1
         journal = out_dir / JOURNAL
-        progress = lambda n, total: console.print(f"regenerated {n}/{total}")  # noqa: E731
         try:
             if local is None:
                 done = regenerate(
@@ -221,14 +232,12 @@ def prepare(
                     engine.complete,
                     journal,
                     chunk=settings.chunk or 256,
-                    on_progress=progress,
+                    answer_batch=settings.concurrency * SERVER_ROUNDS_PER_BATCH,
                 )
             else:
                 from flashdraft.data.local_regen import regenerate_locally
 
-                done, details = regenerate_locally(
-                    items, local["job"], local["devices"], journal, tokenizer, progress
-                )
+                done, details = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer)
                 engine_record = {**engine_record, "engine_details": details}
         except OSError as exc:
             raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
@@ -250,6 +259,7 @@ def prepare(
                 continue
             if cut is not None:
                 turn_index = assistant_turns(messages)[cut]
+                turns_after_cut += len(assistant_turns(messages)) - cut - 1
                 messages = messages[: turn_index + 1]
                 token_ids += [None] * (cut + 1 - len(token_ids))
                 cut_ids.append(token_ids[cut])
@@ -286,16 +296,20 @@ def prepare(
     workers = render_workers(settings.render_workers, len(jobs))
     if workers > 1:
         console.print(f"rendering {len(jobs)} conversations in {workers} processes")
-    for outcome in render_all(tokenizer, jobs, rules, workers):
-        if outcome.error is not None:
-            bad(FlashdraftError(outcome.error))
-            continue
-        dropped.update(outcome.dropped)
-        id_counts.update(outcome.id_counts)
-        for ids, mask in outcome.samples:
-            samples.append((ids, mask))
-            supervised += sum(mask)
-            total += len(ids)
+    from flashdraft.progress import track
+
+    with track("rendering", len(jobs), unit="conversation") as bar:
+        for outcome in render_all(tokenizer, jobs, rules, workers):
+            bar.advance()
+            if outcome.error is not None:
+                bad(FlashdraftError(outcome.error))
+                continue
+            dropped.update(outcome.dropped)
+            id_counts.update(outcome.id_counts)
+            for ids, mask in outcome.samples:
+                samples.append((ids, mask))
+                supervised += sum(mask)
+                total += len(ids)
     if not samples:
         reasons = (
             ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "the inputs hold no records"
@@ -317,6 +331,7 @@ def prepare(
         "cut_answers": {"policy": settings.cut_answers, "kept": 0, "dropped": 0, **cut_counts}
         if settings.regenerate
         else None,
+        "turns_after_cut_answers": turns_after_cut if settings.regenerate else None,
         "tokens": total,
         "supervised_tokens": supervised,
         "regeneration": sampling_record,
@@ -345,6 +360,11 @@ def prepare(
             f"answers cut at --max-new-tokens {sampling.max_new_tokens}",
             f"{cut_counts['kept']} kept (no end-of-turn taught), {cut_counts['dropped']} dropped",
         )
+        if turns_after_cut:
+            table.add_row(
+                "later turns left out after a cut answer",
+                f"{turns_after_cut} (a sample ends at its cut answer; raise --max-new-tokens to keep them)",
+            )
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
     if sampling_record:

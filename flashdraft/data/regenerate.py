@@ -286,30 +286,56 @@ def _records(path: Path) -> Iterator[dict]:
 
 def read_journal(path: Path) -> dict[str, Regenerated]:
     """Finished conversations by `journal_key`, from the journal and its worker parts; a torn last line (a
-    crash mid-write) and lines of an older journal format (keyed by position, which cannot be trusted) are
-    dropped."""
+    crash mid-write), lines of an older journal format (keyed by position, which cannot be trusted) and
+    partial records (a conversation some of whose turns are answered, `read_partial`) are dropped."""
     done: dict[str, Regenerated] = {}
     for part in [path] * path.is_file() + journal_parts(path):
         for record in _records(part):
-            done[record["key"]] = Regenerated(
-                record["messages"], record.get("finish_reasons") or [], record.get("token_ids") or []
-            )
+            if not record.get("partial"):
+                done[record["key"]] = _regenerated(record)
     return done
 
 
+def read_partial(path: Path) -> dict[str, Regenerated]:
+    """Conversations journaled part-way (their first turns answered, `"partial": true`) and not finished
+    since, by key: the most-answered record of each, so a rerun answers only the turns still missing."""
+    started: dict[str, Regenerated] = {}
+    finished: set[str] = set()
+    for part in [path] * path.is_file() + journal_parts(path):
+        for record in _records(part):
+            if not record.get("partial"):
+                finished.add(record["key"])
+                continue
+            known = started.get(record["key"])
+            if known is None or len(record.get("finish_reasons") or []) > len(known.finish_reasons):
+                started[record["key"]] = _regenerated(record)
+    return {key: value for key, value in started.items() if key not in finished}
+
+
+def _regenerated(record: dict) -> Regenerated:
+    return Regenerated(record["messages"], record.get("finish_reasons") or [], record.get("token_ids") or [])
+
+
 def merge_journal_parts(path: Path) -> None:
-    """Append the parts' whole records that the journal lacks to it, make that durable, then remove the
-    parts: afterwards the journal alone holds every finished answer."""
+    """Append the parts' whole records that the journal lacks to it (partial ones only for conversations
+    finished nowhere), make that durable, then remove the parts: afterwards the journal alone holds every
+    answer."""
     parts = journal_parts(path)
     if not parts:
         return
-    known = {record["key"] for record in _records(path)} if path.is_file() else set()
+    known = {r["key"] for r in _records(path) if not r.get("partial")} if path.is_file() else set()
+    records = [record for part in parts for record in _records(part)]
+    finished = known | {r["key"] for r in records if not r.get("partial")}
     with path.open("a") as handle:
-        for part in parts:
-            for record in _records(part):
-                if record["key"] not in known:
-                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    known.add(record["key"])
+        for record in records:
+            if record.get("partial"):
+                if record["key"] in finished:
+                    continue
+            elif record["key"] in known:
+                continue
+            else:
+                known.add(record["key"])
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
     for part in parts:
@@ -320,6 +346,10 @@ def merge_journal_parts(path: Path) -> None:
 Complete = Callable[[list[Messages], list[int]], list[tuple]]
 
 
+def _answers_left(messages: Messages) -> int:
+    return sum(m["role"] == "assistant" for m in messages)
+
+
 def regenerate(
     items: list[tuple[str, Messages]],
     complete: Complete,
@@ -327,25 +357,64 @@ def regenerate(
     chunk: int = 256,
     on_progress: Callable[[int, int], None] | None = None,
     write_to: Path | None = None,
+    *,
+    answer_batch: int | None = None,
+    progress_label: str = "regenerating",
+    progress_mode: str | None = None,
+    heartbeat: Callable[..., Any] | None = None,
 ) -> dict[str, Regenerated]:
     """Regenerate every assistant turn of every (key, conversation), turn by turn (turn k sees the
-    regenerated turns before it), `chunk` conversations at a time; finished ones are journaled as they
-    complete (to `write_to`, default the journal itself: a worker writes its own part). Returns the
-    regenerated conversation of every key in `items`, with why each answer ended; a conversation whose
-    request failed (REQUEST_FAILED) is returned but not journaled, so a rerun asks again."""
+    regenerated turns before it), `chunk` conversations at a time, each turn's answers asked for
+    `answer_batch` at a time (None: all the chunk's at once). After every batch of answers the journal
+    (`write_to`, default the journal itself: a worker writes its own part) gets each conversation of the
+    batch: whole when finished, else as a partial record that a rerun continues from, so a kill loses at
+    most one batch of answers. Progress (answers, tokens/s, ETA) goes to stderr (flashdraft/progress.py).
+
+    Returns the regenerated conversation of every key in `items`, with why each answer ended; a
+    conversation whose request failed (REQUEST_FAILED) is returned but not journaled, so a rerun asks
+    again."""
+    from flashdraft.progress import track
+
     done = read_journal(journal)
+    started = read_partial(journal)
     failed: dict[str, Regenerated] = {}
     wanted = {key for key, _ in items}
     todo = [(key, m) for key, m in items if key not in done]
     target = write_to or journal
     target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a") as handle:
+    answers = sum(_answers_left(m[len(started[key].messages) :] if key in started else m) for key, m in todo)
+    with (
+        target.open("a") as handle,
+        track(progress_label, answers, unit="answer", heartbeat=heartbeat, mode=progress_mode) as bar,
+    ):
+        if done or started:
+            bar.note(
+                f"{progress_label}: resuming from {journal}: {len(done)} conversations finished, "
+                f"{len(started)} part-way, {answers} answers to go"
+            )
+
+        def journal_record(key: str, partial: bool) -> None:
+            record: dict[str, Any] = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
+            if any(turn is not None for turn in ids[key]):
+                record["token_ids"] = ids[key]
+            if partial:
+                record["partial"] = True
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
-            convs: dict[str, Messages] = {key: [] for key, _ in group}
-            reasons: dict[str, list[str | None]] = {key: [] for key, _ in group}
-            ids: dict[str, list[list[int] | None]] = {key: [] for key, _ in group}
-            remaining = {key: list(m) for key, m in group}
+            convs: dict[str, Messages] = {}
+            reasons: dict[str, list[str | None]] = {}
+            ids: dict[str, list[list[int] | None]] = {}
+            remaining: dict[str, Messages] = {}
+            for key, messages in group:
+                begun = started.get(key)
+                convs[key] = list(begun.messages) if begun else []
+                reasons[key] = list(begun.finish_reasons) if begun else []
+                ids[key] = list(begun.token_ids) if begun else []
+                ids[key] += [None] * (len(reasons[key]) - len(ids[key]))
+                remaining[key] = list(messages[len(convs[key]) :])
+            written: set[str] = set()
             while remaining:
                 asking = []
                 for key, rest in list(remaining.items()):
@@ -357,24 +426,35 @@ def regenerate(
                         del remaining[key]
                 if not asking:
                     break
-                seeds = [answer_seed(key, len(reasons[key])) for key in asking]
-                answers = complete([convs[key] for key in asking], seeds)
-                for key, (answer, reason, *generated) in zip(asking, answers, strict=True):
-                    remaining[key].pop(0)  # the original assistant turn is replaced
-                    convs[key].append(assistant_message(answer))
-                    reasons[key].append(reason)
-                    ids[key].append(generated[0] if generated else None)
-                    if reason == REQUEST_FAILED:  # a later turn would build on no answer
-                        del remaining[key]
-            for key, _ in group:
-                if REQUEST_FAILED in reasons[key]:
-                    failed[key] = Regenerated(convs[key], reasons[key])
-                    continue
-                record = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
-                if any(turn is not None for turn in ids[key]):
-                    record["token_ids"] = ids[key]
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-                done[key] = Regenerated(convs[key], reasons[key], ids[key])
+                step = answer_batch or len(asking)
+                for first in range(0, len(asking), step):
+                    batch = asking[first : first + step]
+                    seeds = [answer_seed(key, len(reasons[key])) for key in batch]
+                    replies = complete([convs[key] for key in batch], seeds)
+                    tokens = 0
+                    for key, (answer, reason, *generated) in zip(batch, replies, strict=True):
+                        remaining[key].pop(0)  # the original assistant turn is replaced
+                        convs[key].append(assistant_message(answer))
+                        reasons[key].append(reason)
+                        ids[key].append(generated[0] if generated else None)
+                        tokens += len(generated[0]) if generated and generated[0] else 0
+                        if reason == REQUEST_FAILED:  # a later turn would build on no answer
+                            failed[key] = Regenerated(convs[key], reasons[key])
+                            bar.set_total((bar.total or 0) - _answers_left(remaining.pop(key)))
+                        elif not _answers_left(remaining[key]):
+                            convs[key] += remaining.pop(key)  # the messages after its last answer
+                            journal_record(key, partial=False)
+                            written.add(key)
+                            done[key] = Regenerated(convs[key], reasons[key], ids[key])
+                        else:
+                            journal_record(key, partial=True)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                    bar.advance(len(batch), tokens=tokens)
+            for key, _ in group:  # conversations with no answer to give (nothing was asked)
+                if key not in failed and key not in written:
+                    journal_record(key, partial=False)
+                    done[key] = Regenerated(convs[key], reasons[key], ids[key])
             handle.flush()
             os.fsync(handle.fileno())
             if on_progress:

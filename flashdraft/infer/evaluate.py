@@ -20,6 +20,7 @@ from rich.table import Table
 
 from flashdraft.config import EVAL_ENGINES, EvalSettings  # EvalSettings: importable from here too
 from flashdraft.config import check_eval_settings as _check_settings
+from flashdraft.cpu_threads import configure_threads
 from flashdraft.data.chat import conversation_prompt_ids, normalise
 from flashdraft.data.sources import read_records
 from flashdraft.data.stops import target_stop_ids
@@ -42,6 +43,7 @@ from flashdraft.model.attention import decoding_attention_kernels
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
+from flashdraft.progress import track
 
 ENGINES = EVAL_ENGINES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -151,6 +153,7 @@ def run_eval(
     console: Console | None = None,
     force: bool = False,
     plain_runs: list[Generation] | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Outputs, device and prompts are all checked before a model loads (docs/inputs-and-outputs.md): an
     existing --out / --plot is overwritten only when flashdraft eval wrote it, or with `force`.
@@ -159,7 +162,11 @@ def run_eval(
     and settings (`bench quality` evaluates several checkpoints of one drafter). Empty, it is filled; filled,
     its outputs and timings stand in for plain decoding, which greedy makes identical and which no drafter
     changes. Sampled decoding ignores it: there the plain runs draw from the generator the speculative
-    runs share."""
+    runs share.
+
+    `threads`: CPU threads (`--threads`); None: from the free cores (flashdraft/cpu_threads.py). The --out
+    report is rewritten after every prompt with `"complete": false` (a killed eval keeps what it measured)
+    and a last time, whole, with `"complete": true`."""
     console = console or Console()
     _check_settings(settings)
     inputs = {"--target": target_dir, "--drafter": drafter_dir, "--prompts": prompts}
@@ -171,6 +178,7 @@ def run_eval(
     if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
         raise FlashdraftError(f"--out and --plot are the same file {out}")
     dev = resolve_device(device)
+    configure_threads(threads, str(dev))
     dtype = DTYPES.get(settings.dtype) or default_dtype(dev)
     target_path = Path(target_dir)
     target_config = load_target_config(target_path)
@@ -217,37 +225,49 @@ def run_eval(
         if not reused:
             run(encoded[0], False)
     spec, plain, divergences = [], [], []
-    for i, prompt in enumerate(encoded):
-        fast = decoder["engine"] == "fast"
-        spec_run = fast_spec[i] if fast else run(prompt, True)
-        plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False)
-        spec.append(spec_run)
-        plain.append(plain_run)
-        console.print(
-            f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
-            f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
-            highlight=False,
+
+    def described(report: dict[str, Any]) -> dict[str, Any]:
+        report.update(
+            {
+                "plain_decoding": "reused from an earlier greedy eval of the same prompts"
+                if reused
+                else "run",
+                "decoder": decoder,
+                "target": str(target_dir),
+                "drafter": str(drafter_dir),
+                "prompts_file": str(prompts),
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "dtype": str(dtype).removeprefix("torch."),
+                "settings": asdict(settings),
+                "producer": PRODUCER,
+            }
         )
-        if settings.check_lossless:
-            diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
-            if diff is not None:
-                divergences.append({"prompt": i, **diff})
+        return report
+
+    with track("evaluating", len(encoded), unit="prompt") as bar:
+        for i, prompt in enumerate(encoded):
+            fast = decoder["engine"] == "fast"  # the fast engine decoded every prompt up front
+            spec_run = fast_spec[i] if fast else run(prompt, True)
+            plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False)
+            spec.append(spec_run)
+            plain.append(plain_run)
+            console.print(
+                f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
+                f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
+                highlight=False,
+            )
+            if settings.check_lossless:
+                diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
+                if diff is not None:
+                    divergences.append({"prompt": i, **diff})
+            partial = described(acceptance_report(spec, plain, block))
+            bar.advance(tokens=len(spec_run.tokens), tau=partial["tau"])
+            if out:
+                partial.update({"complete": False, "prompts_total": len(encoded), "divergences": divergences})
+                _write_report(partial, out)
     if reuse and not reused:
         plain_runs[:] = plain
-    report = acceptance_report(spec, plain, block)
-    report.update(
-        {
-            "plain_decoding": "reused from an earlier greedy eval of the same prompts" if reused else "run",
-            "decoder": decoder,
-            "target": str(target_dir),
-            "drafter": str(drafter_dir),
-            "prompts_file": str(prompts),
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-            "dtype": str(dtype).removeprefix("torch."),
-            "settings": asdict(settings),
-            "producer": PRODUCER,
-        }
-    )
+    report = described(acceptance_report(spec, plain, block))
     simulated = simulated_tau(drafter_dir)
     if simulated is not None:  # training's teacher-forced estimate of the same checkpoint, to compare
         report["simulated"] = simulated
@@ -301,15 +321,15 @@ def run_eval(
     console.print(table)
     for d in divergences:
         console.print(_divergence_line(d), highlight=False, soft_wrap=True)
-    try:
-        if out:
-            write_json(report, out)
-        if plot_path:
+    report["complete"] = True
+    if out:
+        _write_report(report, out)
+    if plot_path:
+        try:
             plot(report, plot_path)
-    except OSError as exc:
-        where = out if out and not Path(out).exists() else plot_path
-        reason = disk_full_reason(exc, Path(where).parent) or exc.strerror or str(exc)
-        raise FlashdraftError(f"cannot write the report {where}: {reason}") from None
+        except OSError as exc:
+            reason = disk_full_reason(exc, Path(plot_path).parent) or exc.strerror or str(exc)
+            raise FlashdraftError(f"cannot write the report {plot_path}: {reason}") from None
     return report
 
 
@@ -357,6 +377,15 @@ def _fast_runs(
     plain_runs = plain_engine.generate(encoded)
     decoder["plain"] = plain_engine.describe()
     return spec, plain_runs
+
+
+def _write_report(report: dict[str, Any], out: str | Path) -> None:
+    """The --out JSON, replaced atomically (a reader sees the last whole report, never half of one)."""
+    try:
+        write_json(report, out)
+    except OSError as exc:
+        reason = disk_full_reason(exc, Path(out).parent) or exc.strerror or str(exc)
+        raise FlashdraftError(f"cannot write the report {out}: {reason}") from None
 
 
 def _is_tie(divergence: dict[str, Any]) -> bool:

@@ -124,27 +124,52 @@ def convert_gguf(
     dtype: str = "fp32",
     force: bool = False,
     label: str = "GGUF_FILE",
+    threads: int | None = None,
+    set_threads: bool = True,
 ) -> Path:
     """Write the model in a GGUF file as a plain Hugging Face directory at `out` (safetensors weights,
     config, generation config, tokenizer with its chat template), swapped in only once complete.
 
-    An existing `out` is replaced only when flashdraft convert wrote it, or with `force`."""
+    An existing `out` is replaced only when flashdraft convert wrote it, or with `force`. `threads`: CPU
+    threads (`--threads`; None: from the free cores); `set_threads=False` leaves the process's count alone
+    (a training run converting its target on the way)."""
     if dtype not in DTYPES:
         raise FlashdraftError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     gguf_file = find_gguf(gguf_path, label)
     check_output_dir(out, "--out", force=force, inputs={label: gguf_file}, ours=_ours)
     require_gguf_package()
+    if set_threads:
+        from flashdraft.cpu_threads import configure_threads
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        configure_threads(threads, "cpu")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from flashdraft.progress import track
 
     hf_logging.disable_progress_bar()
     where, name = str(gguf_file.parent), gguf_file.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
-        raise FlashdraftError(f"{label} {gguf_file}: transformers cannot load it ({exc})") from None
+    # four stages of very different lengths: the line names the one running (dequantizing is most of it)
+    with track(f"converting {gguf_file.name}", total=4, unit="stage") as bar:
+        bar.advance(0, stage="reading the tokenizer")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+            bar.advance(stage="dequantizing the weights")
+            loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        except (ValueError, OSError, KeyError, RuntimeError) as exc:
+            raise FlashdraftError(f"{label} {gguf_file}: transformers cannot load it ({exc})") from None
+        bar.advance(stage="building the plain model")
+        plain = _plain_copy(loaded, gguf_file, dtype)
+        del loaded
+        bar.advance(stage=f"writing {out}")
+        _write_conversion(plain, tokenizer, gguf_file, out, dtype)
+        bar.advance(stage="done")
+    return Path(out)
+
+
+def _plain_copy(loaded, gguf_file: Path, dtype: str):
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     # The loaded model carries the GGUF quantization_config, which makes save_pretrained refuse it:
     # a fresh model from the same config without it, holding the dequantized weights, saves normally.
@@ -160,8 +185,10 @@ def convert_gguf(
     plain.generation_config = GenerationConfig.from_model_config(config)
     if loaded.generation_config is not None:
         plain.generation_config = loaded.generation_config
-    del loaded
+    return plain
 
+
+def _write_conversion(plain, tokenizer, gguf_file: Path, out: str | Path, dtype: str) -> None:
     try:
         with atomic_directory(out, replace=True) as tmp:
             plain.save_pretrained(tmp)
@@ -175,7 +202,6 @@ def convert_gguf(
         raise FlashdraftError(
             f"--out {out}: writing the converted model failed: {reason}; nothing was left there"
         ) from None
-    return Path(out)
 
 
 def is_conversion_of(directory: Path, gguf_file: Path, dtype: str = "fp32") -> bool:
@@ -206,7 +232,7 @@ def target_directory(path: str | Path, label: str = "target") -> Path:
         if is_conversion_of(cache, gguf_file):
             return cache
         print(f"converting the GGUF target {gguf_file} to {cache} (once; later loads reuse it)", flush=True)
-        return convert_gguf(gguf_file, cache, dtype="fp32", label=label)
+        return convert_gguf(gguf_file, cache, dtype="fp32", label=label, set_threads=False)
 
 
 @contextlib.contextmanager

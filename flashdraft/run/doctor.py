@@ -261,7 +261,7 @@ def _output(config: Config) -> Check:
         "output",
         True,
         f"{probe_dir} writable, {free / 2**30:.0f} GiB free"
-        + (f" (need ~{need / 2**30:.1f})" if need else ""),
+        + (f" (checkpoints need ~{need / 2**30:.1f} GiB)" if need else ""),
     )
 
 
@@ -380,6 +380,13 @@ def print_checks(checks: list[Check]) -> int:
         console.print(
             f"{mark} {c.name}: {c.detail}" + (f"\n    fix: {c.fix}" if c.ok is False and c.fix else "")
         )
+    console.print(check_counts(checks))
+    return 1 if any(c.ok is False for c in checks) else 0
+
+
+def check_counts(checks: list[Check]) -> str:
+    """`5 ok, 1 failed, 2 skipped`: a check that did not apply here passed nothing."""
+    ok = sum(c.ok is True for c in checks)
     failed = sum(c.ok is False for c in checks)
-    console.print(f"{len(checks) - failed} ok, {failed} failed")
-    return 1 if failed else 0
+    skipped = sum(c.ok is None for c in checks)
+    return f"{ok} ok, {failed} failed" + (f", {skipped} skipped" if skipped else "")

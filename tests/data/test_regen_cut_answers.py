@@ -197,3 +197,18 @@ def test_a_render_worker_that_dies_is_a_clear_error_and_writes_nothing(tmp_path,
     ]
     with pytest.raises(FlashdraftError, match=r"a render worker process died .* --render-workers"):
         list(render_pool.render_all(tokenizer, conversations, _DiesWhenUnpickled(), workers=2))
+
+
+def test_turns_left_out_after_a_cut_answer_are_counted_in_the_summary(tmp_path, target, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the summary table on one line per row
+    with fake_chat_server(lambda body: ("cut sho", "length")) as fake:  # every answer cut
+        data = _write(tmp_path / "in.jsonl", CONVS)
+        out = tmp_path / "s"
+        args = ["prepare", str(data), "--target", str(target), "--out", str(out), "--regenerate"]
+        assert main([*args, "--server-url", fake.url, "--max-new-tokens", "7"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["cut_answers"] == {"policy": "keep", "kept": 2, "dropped": 0}
+    assert manifest["turns_after_cut_answers"] == 1  # the two-turn conversation's second turn
+    summary = " ".join(capsys.readouterr().out.split())
+    assert "later turns left out after a cut answer" in summary
+    assert "1 (a sample ends at its cut answer; raise --max-new-tokens to keep them)" in summary

@@ -157,3 +157,26 @@ def test_bad_numeric_flags_name_the_flag(pair, capsys, flag, value):
         main(args)
     assert info.value.code == 2
     assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_the_report_is_rewritten_after_every_prompt_until_complete(pair, tmp_path, monkeypatch, capsys):
+    """A killed eval keeps the prompts it measured: --out holds them, marked incomplete, after each one."""
+    import flashdraft.infer.evaluate as evaluate
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [1, 2, n]}) + "\n" for n in (3, 4, 5)))
+    out, seen = tmp_path / "r.json", []
+    real_write = evaluate.write_json
+
+    def write_and_read_back(report, path):
+        real_write(report, path)
+        seen.append(json.loads(Path(path).read_text()))
+
+    monkeypatch.setattr(evaluate, "write_json", write_and_read_back)
+    monkeypatch.setattr("flashdraft.progress.DEFAULT_INTERVAL_S", 0)  # a progress line per prompt
+    assert main(_eval(pair, "--out", str(out), prompts=prompts)) == 0
+    assert [(r["complete"], r["prompts"]) for r in seen] == [(False, 1), (False, 2), (False, 3), (True, 3)]
+    assert seen[0]["prompts_total"] == 3 and seen[0]["producer"] == "flashdraft eval"
+    assert json.loads(out.read_text())["complete"] is True
+    err = capsys.readouterr().err
+    assert "evaluating: 3/3 prompts (100%)" in err and "tau=" in err

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashdraft.cli import main
+from flashdraft.durable import _umask
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.gguf import (
     MARKER_NAME,
@@ -167,6 +168,9 @@ def test_real_gguf_converts_to_a_plain_directory(real_copy, real_converted, caps
     assert TargetModel.load(real_copy.parent, [1, 28]).num_layers == 30  # the directory holding the .gguf
     assert "converting" not in capsys.readouterr().out
     assert (real_converted / "model.safetensors").stat().st_mtime_ns == stamp
+    # every file readable like the rest (safetensors writes through a private 0600 temporary)
+    readable = 0o444 & ~_umask()
+    assert all(p.stat().st_mode & readable == readable for p in real_converted.iterdir())
 
 
 @pytest.mark.slow
