@@ -38,7 +38,6 @@ from flashdraft.model.target import check_safetensors_weights, load_target_token
 from flashdraft.outputs import check_output_dir
 from flashdraft.phases import PhaseClock
 
-
 # Answers per journaled batch on the CPU: a kill loses at most this many; a server gets a few rounds of its
 # concurrent requests per batch, so stragglers hold up little.
 CPU_ANSWER_BATCH = 16
