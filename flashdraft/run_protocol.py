@@ -105,6 +105,27 @@ def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return {rank: beat for rank, beat in beats.items() if isinstance(beat, dict)}
 
 
+def runs_root(runs_dir: str | None = None) -> Path:
+    """Where `launch` puts runs: --runs-dir, else $FLASHDRAFT_RUNS_DIR, else ./runs."""
+    return Path(runs_dir or os.environ.get("FLASHDRAFT_RUNS_DIR", "runs")).resolve()
+
+
+def resume_command(run_dir: str | Path) -> str:
+    """The one command that continues a launched run in its own directory (every hint says this one)."""
+    run_dir = Path(run_dir).resolve()
+    where = "" if run_dir.parent == runs_root() else f" --runs-dir {run_dir.parent}"
+    return f"flashdraft launch --resume {run_dir.name}{where}"
+
+
+def resume_hint() -> str:
+    """How this job continues after a stop or a failure: the launched run's resume command, or, for a
+    plain `flashdraft train`, the same command again (train.resume=auto takes the newest checkpoint)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir:
+        return resume_command(run_dir)
+    return "the same flashdraft train command with train.resume=auto (the default)"
+
+
 def boot_id() -> str | None:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

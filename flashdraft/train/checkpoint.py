@@ -31,6 +31,7 @@ from flashdraft.durable import atomic_directory, disk_full_reason, remove_partia
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import CONFIG_NAME, WEIGHTS_NAME, load_drafter, save_drafter
+from flashdraft.run_protocol import resume_hint
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_NAME = "trainer_state.pt"
@@ -128,7 +129,7 @@ def save_checkpoint(
         if full:
             raise FlashdraftError(
                 f"checkpoint step {step}: disk full writing {root}: {full}; the earlier checkpoints are intact "
-                "(free space, or lower train.keep_last, then resume with train.resume=auto)"
+                f"(free space, or lower train.keep_last, then resume with {resume_hint()})"
             ) from None
         raise FlashdraftError(
             f"checkpoint step {step}: cannot write {root}: {type(exc).__name__}: {exc}"

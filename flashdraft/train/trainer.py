@@ -84,7 +84,7 @@ from flashdraft.model.drafter_dir import (
 from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.phases import PhaseClock
-from flashdraft.run_protocol import Heartbeat
+from flashdraft.run_protocol import Heartbeat, resume_hint
 from flashdraft.train import compile_report
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.budget import TrainingClock, budget_schedule_position
@@ -596,7 +596,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                     f"(train.max_bad_steps={t.max_bad_steps}; last: loss {loss_now}, grad norm {float(grad_norm)}); "
                     f"they were skipped and no checkpoint of this state is written. Likely causes: train.lr="
                     f"{t.lr} too high, or bad samples in data.train; lower the lr or fix the data, then resume "
-                    "from the last checkpoint with train.resume=auto"
+                    f"from the last checkpoint with {resume_hint()}"
                 )
         else:
             optimizer.clip_and_step(t.grad_clip, grad_norm)
@@ -699,7 +699,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
             del to_write, state
         if stopping:
             outcome = "stopped"
-            say(f"stopped at step {step}; resume with train.resume=auto")
+            say(f"stopped at step {step}; resume with {resume_hint()}")
             break
         if over_budget:  # a finished run: it trained for the time it was given
             say(f"train.max_minutes={t.max_minutes} spent at step {step}: final checkpoint written")
