@@ -28,6 +28,7 @@ from flashdraft.durable import atomic_write_json
 
 RUN_DIR_ENV = "FLASHDRAFT_RUN_DIR"
 RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0, then 1, 2, ...
 
 # Phases a trainer reports; states the supervisor and `status` report.
 PHASES = (

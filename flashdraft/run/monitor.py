@@ -169,6 +169,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     state = status.get("state", "starting")
     diagnosis = status.get("diagnosis")
     info["evidence"] = status.get("evidence", [])
+    info["restarts"] = status.get("restarts", [])  # launch --max-restarts: each with its cause and cost
     if state not in FINAL_STATES:
         same_boot = status.get("boot_id") in (None, boot_id())
         # Every pid is checked against its recorded start time: a reused pid is not the run's process.

@@ -88,7 +88,7 @@ from flashdraft.run_protocol import Heartbeat, resume_hint
 from flashdraft.train import compile_report
 from flashdraft.train.blocks import summarize_acceptance
 from flashdraft.train.budget import TrainingClock, budget_schedule_position
-from flashdraft.train.checkpoint import find_resume, remove_stale_partials, save_checkpoint, set_rng_state
+from flashdraft.train.checkpoint import CheckpointWriter, find_resume, remove_stale_partials, set_rng_state
 from flashdraft.train.feature_server import serve_features
 from flashdraft.train.flops import peak_tflops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss, selector_weight
@@ -455,6 +455,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
     startup.mark("drafter_and_optimizer")
     # ------------------------------------------------------------------ loop
     logger = MetricsLogger(out_dir, total_steps, start_step=step) if topo.is_main else None
+    writer = CheckpointWriter(heartbeat, say)  # checkpoints off the step's path
     peak = peak_tflops(device)
     say(
         f"training {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {device} "
@@ -690,12 +691,13 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                     best = unsharded_copy(drafter, weights) if topo.is_main else drafter
                 if topo.is_main:
                     save_drafter(best, out_dir / "best", dtype=torch.bfloat16)
+        writer.poll()  # a finished background write's line and metrics; a failed one's error, here
         if (topo.is_main or parallel.sharded) and (step % t.save_every == 0 or last or stopping or timed):
             heartbeat.beat("checkpointing")
             to_write, state = checkpoint_parts()
-            if topo.is_main:
-                path = save_checkpoint(out_dir, step, to_write, state, t.keep_last)
-                heartbeat.beat("training", checkpoint=str(path))
+            if topo.is_main:  # copied to the host here, written in the writer's thread
+                writer.save(out_dir, step, to_write, state, t.keep_last)
+                heartbeat.beat("training")
             del to_write, state
         if stopping:
             outcome = "stopped"
@@ -704,6 +706,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
         if over_budget:  # a finished run: it trained for the time it was given
             say(f"train.max_minutes={t.max_minutes} spent at step {step}: final checkpoint written")
             break
+    writer.wait()  # the final (or the stop's) checkpoint is complete before the job reports its end
     if receiver is not None:  # a stop leaves received-ahead features of steps not trained: take and drop them
         receiver.drain()
     if logger is not None:

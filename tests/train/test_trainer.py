@@ -15,15 +15,16 @@ from safetensors.torch import load_file
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.train import trainer
+from flashdraft.train import checkpoint
 from flashdraft.train.checkpoint import list_checkpoints
 from flashdraft.train.trainer import lr_lambda, train
 from tests.faults import fault_env
 
 
 def crash_after_checkpoint(monkeypatch, step: int) -> None:
-    """An exception right after the step-`step` checkpoint is written (a crash, in-process)."""
-    real_save = trainer.save_checkpoint
+    """An exception right after the step-`step` checkpoint is written (a crash, in-process). The writer's
+    thread writes it; the training thread raises the error at its next step's poll."""
+    real_save = checkpoint.save_checkpoint
 
     def save_then_raise(out_dir, at, *args, **kwargs):
         path = real_save(out_dir, at, *args, **kwargs)
@@ -31,7 +32,7 @@ def crash_after_checkpoint(monkeypatch, step: int) -> None:
             raise RuntimeError(f"injected failure at step {at}")
         return path
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_raise)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_raise)
 
 
 @pytest.fixture(scope="module")
