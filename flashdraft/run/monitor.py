@@ -306,6 +306,9 @@ def _signal_job(run_dir: Path, status: dict[str, Any], signum: int) -> bool:
         sent = True
     else:
         sent = signal_group(job_pid, started, signum, run_id=run_id)
+        if signum == signal.SIGKILL:  # torchrun's workers run in sessions of their own: not in its group
+            for worker in workers:
+                signal_process(worker, signum)
     if sent:
         _append_log(run_dir, f"{signal.Signals(signum).name} to job pid {job_pid} (flashdraft stop)")
     return sent

@@ -60,12 +60,20 @@ def _interrupt(setup, seed: int, signum: int, *args: str) -> tuple[dict, int]:
     """Launch, then at a random step and moment send `signum` to a random rank; returns the run's status
     once it has ended and the rank signalled."""
     rng = random.Random(seed)
-    at_step, rank, delay = rng.randint(1, STEPS - 3), rng.randint(0, 1), rng.uniform(0.0, 1.0)
+    at_step, rank, delay = rng.randint(2, STEPS - 4), rng.randint(0, 1), rng.uniform(0.0, 0.3)
     info = launch(setup, *TWO_RANKS, *args)
     run_dir = Path(info["run_dir"])
-    wait_for(setup, info["run"], lambda s: (s.get("step") or 0) >= at_step or final(s), timeout=RUN_LIMIT_S)
+    deadline = time.time() + RUN_LIMIT_S
+    # the heartbeat files themselves, read in a tight loop (a `status` call takes longer than a step)
+    while (read_heartbeats(run_dir).get(rank) or {}).get("step") is None or read_heartbeats(run_dir)[rank][
+        "step"
+    ] < at_step:
+        assert time.time() < deadline, f"rank {rank} never reached step {at_step}"
+        time.sleep(0.02)
     time.sleep(delay)  # a random moment within the step (or the checkpoint write) that follows
-    _rank_process(run_dir, rank).send_signal(signum)
+    process = _rank_process(run_dir, rank)
+    assert process.is_running(), "the run ended before its interruption"
+    process.send_signal(signum)
     print(f"seed {seed}: {signal.Signals(signum).name} to rank {rank} after step {at_step} + {delay:.2f} s")
     return wait_for(setup, info["run"], final, timeout=RUN_LIMIT_S), rank
 
