@@ -26,8 +26,9 @@ from .test_faults import assert_clean, fault, final, launch, wait_for
 
 KILLS = int(os.environ.get("FLASHDRAFT_HEAL_KILLS", "1"))
 HANGS = int(os.environ.get("FLASHDRAFT_HEAL_HANGS", "1"))
-STEPS = 12  # the tiny setup's train.max_steps; checkpoints every 4 steps
-TWO_RANKS = ("--nproc-per-node", "2")
+# Long enough for an interruption at a random moment (a step of the tiny setup takes ~0.1 s here).
+STEPS, SAVE_EVERY = 240, 40
+TWO_RANKS = ("--nproc-per-node", "2", f"train.max_steps={STEPS}", f"train.save_every={SAVE_EVERY}")
 # Limits a run must finish within on a loaded 2-core machine, not measures of speed.
 RUN_LIMIT_S = 600
 
@@ -60,8 +61,8 @@ def _interrupt(setup, seed: int, signum: int, *args: str) -> tuple[dict, int]:
     """Launch, then at a random step and moment send `signum` to a random rank; returns the run's status
     once it has ended and the rank signalled."""
     rng = random.Random(seed)
-    at_step, rank, delay = rng.randint(2, STEPS - 4), rng.randint(0, 1), rng.uniform(0.0, 0.3)
-    info = launch(setup, *TWO_RANKS, *args)
+    at_step, rank, delay = rng.randint(10, STEPS - 40), rng.randint(0, 1), rng.uniform(0.0, 1.0)
+    info = launch(setup, *args, *TWO_RANKS)
     run_dir = Path(info["run_dir"])
     deadline = time.time() + RUN_LIMIT_S
     # the heartbeat files themselves, read in a tight loop (a `status` call takes longer than a step)
@@ -88,7 +89,7 @@ def test_a_kill_9_of_a_random_rank_restarts_and_finishes_bit_identically(setup, 
         restarts
     )
     assert restarts[0]["cause"].startswith(f"rank {rank} was killed by SIGKILL")
-    assert restarts[0]["resumed_from_step"] % 4 == 0 and restarts[0]["lost_steps"] >= 0
+    assert restarts[0]["resumed_from_step"] % SAVE_EVERY == 0 and restarts[0]["lost_steps"] >= 0
     _assert_bit_identical(_weights(info), uninterrupted)
     log = assert_clean(info)
     assert "restart 1/3" in log and f"resumed from step {restarts[0]['resumed_from_step']}" in log
@@ -109,7 +110,9 @@ def test_a_sigstop_hang_of_a_random_rank_restarts_and_finishes_bit_identically(s
 
 @pytest.mark.slow
 def test_a_failure_that_repeats_at_the_same_step_stops_with_its_diagnosis(setup):
-    info = launch(setup, *TWO_RANKS, *fault("raise@6:1"))  # every attempt fails at step 6 on rank 1
+    info = launch(
+        setup, "--nproc-per-node", "2", *fault("raise@6:1")
+    )  # every attempt fails at step 6 on rank 1
     info = wait_for(setup, info["run"], final, timeout=RUN_LIMIT_S)
     assert info["state"] == "failed", info
     assert info["diagnosis"].startswith(
@@ -125,7 +128,7 @@ def test_a_failure_that_repeats_at_the_same_step_stops_with_its_diagnosis(setup)
 @pytest.mark.slow
 def test_restarts_exhausted_end_the_run_with_the_last_cause(setup):
     # a kill at step 3 on rank 1 in every attempt, before the first checkpoint: each resumes from step 0
-    info = launch(setup, *TWO_RANKS, "--max-restarts", "1", *fault("kill@3:1"))
+    info = launch(setup, "--nproc-per-node", "2", "--max-restarts", "1", *fault("kill@3:1"))
     info = wait_for(setup, info["run"], final, timeout=RUN_LIMIT_S)
     assert info["state"] == "failed", info
     assert info["diagnosis"].startswith("rank 1 (local rank 1) was killed by SIGKILL"), info["diagnosis"]
@@ -164,3 +167,38 @@ def test_status_lists_each_restart(tmp_path, capsys):
     ), text
     assert show_status("r1", runs_dir=str(tmp_path / "runs"), as_json=True) == 0
     assert '"lost_steps": 3' in capsys.readouterr().out
+
+
+def test_max_restarts_default_3_for_several_processes_0_for_one_and_reach_torchrun(tmp_path):
+    from flashdraft.errors import FlashdraftError
+    from flashdraft.run.launcher import Nodes, _job_cmd, check_nodes, max_restarts_for
+
+    assert max_restarts_for(None, 2, Nodes()) == 3 and max_restarts_for(None, 1, Nodes()) == 0
+    assert max_restarts_for(None, 1, check_nodes(1, 2, 0, "node0:29500")) == 3
+    assert max_restarts_for(5, 1, Nodes()) == 5
+    with pytest.raises(FlashdraftError, match="--max-restarts must be 0 or more"):
+        max_restarts_for(-1, 2, Nodes())
+    assert "--max-restarts=3" in _job_cmd("python", tmp_path, 2, Nodes(), 3)
+    one = _job_cmd("python", tmp_path, 1, Nodes(), 2)  # one process restarts under torchrun too
+    assert "torch.distributed.run" in one and "--max-restarts=2" in one
+    assert "torch.distributed.run" not in _job_cmd("python", tmp_path, 1, Nodes(), 0)
+
+
+def test_a_restarted_attempt_resumes_automatically(tmp_path, monkeypatch, capfd):
+    """TORCHELASTIC_RESTART_COUNT > 0 turns train.resume=never into auto before the trainer starts."""
+    from flashdraft.train import job
+
+    seen = {}
+
+    def fake_train(config, heartbeat=None):
+        seen["resume"], seen["attempt"] = config.train.resume, heartbeat.state["attempt"]
+        return {"outcome": "finished", "steps": 0, "skipped_steps": 0}
+
+    import threading
+
+    monkeypatch.setattr("flashdraft.train.trainer.train", fake_train)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)  # run_job installs its own
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    job.run_job(None, ["train.resume=never", "train.device=cpu", "train.compile=false"])
+    assert seen == {"resume": "auto", "attempt": 2}
+    assert "restart 2: train.resume=never -> auto" in capfd.readouterr().out
