@@ -691,7 +691,7 @@ def train(config: Config, heartbeat: Heartbeat | None = None) -> dict[str, Any]:
                     best = unsharded_copy(drafter, weights) if topo.is_main else drafter
                 if topo.is_main:
                     save_drafter(best, out_dir / "best", dtype=torch.bfloat16)
-        writer.poll()  # a finished background write's line and metrics; a failed one's error, here
+        writer.poll()  # a finished background write's line and heartbeat; a failed one's error, here
         if (topo.is_main or parallel.sharded) and (step % t.save_every == 0 or last or stopping or timed):
             heartbeat.beat("checkpointing")
             to_write, state = checkpoint_parts()

@@ -106,3 +106,28 @@ def test_a_failed_write_is_raised_in_the_training_thread(tmp_path, drafter, monk
     with pytest.raises(FlashdraftError, match="disk full"):
         writer.wait()
     assert writer.wait() == []  # raised once
+
+
+@pytest.mark.gpu
+def test_a_cuda_drafter_is_copied_to_pinned_memory_and_written_equal(tmp_path, drafter):
+    """On CUDA the copy goes to pinned host buffers (reused by the next save) and the write equals the
+    weights at the save, whatever the step does to them afterwards."""
+    drafter = drafter.cuda()
+    writer = CheckpointWriter(say=lambda _line: None)
+    state = {"step": 4, "moments": [torch.ones(1000, device="cuda")]}
+    before = {k: v.cpu().clone() for k, v in drafter.state_dict().items()}
+    writer.save(tmp_path / "run", 4, drafter, state, keep_last=3)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(1.0)
+        state["moments"][0].add_(1.0)
+    (done,) = writer.wait()
+    assert all(buffer.is_pinned() for buffer in writer._host.values())
+    saved = load_file(Path(done.path) / "drafter" / "model.safetensors")
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+    point = verify_checkpoint(done.path)
+    assert torch.equal(point.state["moments"][0], torch.ones(1000))
+    buffers = dict(writer._host)
+    writer.save(tmp_path / "run", 8, drafter, state, keep_last=3)
+    writer.wait()
+    assert all(writer._host[k] is buffers[k] for k in buffers)  # the second save reused them
