@@ -28,6 +28,7 @@ from flashdraft.durable import atomic_write_json
 
 RUN_DIR_ENV = "FLASHDRAFT_RUN_DIR"
 RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0, then 1, 2, ...
 
 # Phases a trainer reports; states the supervisor and `status` report.
 PHASES = (
@@ -128,6 +129,11 @@ def read_heartbeats(run_dir: str | Path) -> dict[int, dict[str, Any]]:
         for p in sorted(Path(run_dir).glob("rank*/heartbeat.json"))
     }
     return {rank: beat for rank, beat in beats.items() if isinstance(beat, dict)}
+
+
+def runs_root(runs_dir: str | None = None) -> Path:
+    """Where `launch` puts runs: --runs-dir, else $FLASHDRAFT_RUNS_DIR, else ./runs."""
+    return Path(runs_dir).resolve() if runs_dir else default_runs_root()
 
 
 def boot_id() -> str | None:

@@ -164,6 +164,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         nproc_per_node=args.nproc_per_node,
         resume=args.resume,
         nodes=nodes,
+        max_restarts=args.max_restarts,
     )
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -299,7 +300,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--stall-seconds",
         type=float,
         default=600.0,
-        help="heartbeat age after which a live job counts as hung",
+        help="heartbeat age after which a live job counts as hung (with restarts left: its stacks are "
+        "logged, then it is restarted)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=non_negative_int,
+        default=None,
+        help="restarts of the worker group after a lost rank or a hang, each resuming from the newest "
+        "checkpoint (default 3 for several processes, 0 for one)",
     )
     p.add_argument("--skip-doctor", action="store_true", help="skip the preflight checks")
     p.add_argument(

@@ -60,12 +60,32 @@ def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topo
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
             **({"device_id": device} if use_cuda else {}),
+            **_restart_store(topo, timeout),
         )
     return topo, device
+
+
+def _restart_store(topo: Topology, timeout: datetime.timedelta) -> dict:
+    """After torchrun restarts the group (launch --max-restarts), the agent's store still holds the
+    previous attempt's keys, and a rank that starts first reads its peers' old addresses from them (gloo
+    then hangs connecting to dead ports): each restarted attempt takes keys of its own."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        topo.world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    store = dist.PrefixStore(f"flashdraft/attempt-{attempt}/", agent_store)
+    return {"store": store, "rank": topo.rank, "world_size": topo.world_size}
 
 
 def local_world_size() -> int:

@@ -141,9 +141,25 @@ def check_nodes(nproc_per_node: int, nnodes: int, node_rank: int | None, rdzv_en
     return Nodes(nnodes, node_rank, rdzv_endpoint)
 
 
-def _job_cmd(python: str, run_dir: Path, nproc_per_node: int, nodes: Nodes = Nodes()) -> list[str]:
+# Restarts of the worker group a multi-process run gets unless --max-restarts says otherwise.
+DEFAULT_MAX_RESTARTS = 3
+
+
+def max_restarts_for(max_restarts: int | None, nproc_per_node: int, nodes: Nodes) -> int:
+    """--max-restarts, checked; by default 3 for a run of several processes, 0 for one process."""
+    if max_restarts is None:
+        return DEFAULT_MAX_RESTARTS if nproc_per_node > 1 or nodes.nnodes > 1 else 0
+    if max_restarts < 0:
+        raise FlashdraftError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    return max_restarts
+
+
+def _job_cmd(
+    python: str, run_dir: Path, nproc_per_node: int, nodes: Nodes = Nodes(), max_restarts: int = 0
+) -> list[str]:
     train = [ENTRY, "flashdraft", "train", str(run_dir / "config.yaml")]
-    if nproc_per_node > 1 or nodes.nnodes > 1:  # one process per GPU; per-rank logs in the run directory
+    # one process per GPU, per-rank logs in the run directory; torchrun's agent also restarts the group
+    if nproc_per_node > 1 or nodes.nnodes > 1 or max_restarts > 0:
         return [
             python,
             "-X",
@@ -153,6 +169,7 @@ def _job_cmd(python: str, run_dir: Path, nproc_per_node: int, nodes: Nodes = Nod
             "torch.distributed.run",
             *nodes.torchrun_args(),
             f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}",
             f"--log-dir={run_dir / 'torchrun'}",
             "--redirects=3",
             "--tee=3",
@@ -216,6 +233,7 @@ def launch(
     nproc_per_node: int = 1,
     resume: str | None = None,
     nodes: Nodes = Nodes(),
+    max_restarts: int | None = None,
 ) -> dict[str, Any]:
     env = dict(env or {})
     cwd = Path.cwd()
@@ -234,6 +252,8 @@ def launch(
         nproc_per_node = int(previous.get("nproc_per_node", nproc_per_node))
         if "nodes" in previous:  # a resumed node rejoins the same world
             nodes = Nodes(**previous["nodes"])
+        if max_restarts is None and "max_restarts" in previous:
+            max_restarts = int(previous["max_restarts"])
         cwd = Path(previous.get("cwd") or cwd)  # relative paths in its config meant the first launch's
     else:
         root = runs_root(runs_dir)
@@ -242,6 +262,7 @@ def launch(
         run_dir = root / run_id
         run_dir.mkdir(parents=True)
         previous = {}
+    max_restarts = max_restarts_for(max_restarts, nproc_per_node, nodes)
     log = (run_dir / LOG_NAME).open("ab", buffering=0)  # the launcher owns the log, before anything can fail
     command = (
         f"--resume {run_dir.name} {' '.join(overrides)}"
@@ -263,8 +284,9 @@ def launch(
         "host": socket.gethostname(),
         "boot_id": boot_id(),
         "git_commit": git_commit(cwd),
-        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node, nodes),
+        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node, nodes, max_restarts),
         "stall_seconds": stall_seconds,
+        "max_restarts": max_restarts,
         "nproc_per_node": nproc_per_node,
         "nodes": {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "rdzv_endpoint": nodes.rdzv_endpoint},
         "env": {

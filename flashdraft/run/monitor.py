@@ -9,9 +9,9 @@ its start time matches the recorded one.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from flashdraft.run_protocol import (
     read_heartbeats,
     read_json,
     records_from_log,
+    runs_root,
     write_record,
 )
 from flashdraft.run_protocol import resume_command as protocol_resume_command
@@ -41,10 +42,6 @@ PHASE_TO_STATE = {
     "stopping": "training",
     "finished": "training",
 }
-
-
-def runs_root(runs_dir: str | None = None) -> Path:
-    return Path(runs_dir or os.environ.get("FLASHDRAFT_RUNS_DIR", "runs")).resolve()
 
 
 def list_runs(root: Path) -> list[Path]:
@@ -175,11 +172,10 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     ):
         if hb0.get(key) is not None:
             info[key] = hb0[key]
-    if hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
-        info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])
     state = status.get("state", "starting")
     diagnosis = status.get("diagnosis")
     info["evidence"] = status.get("evidence", [])
+    info["restarts"] = status.get("restarts", [])  # launch --max-restarts: each with its cause and cost
     if state not in FINAL_STATES:
         same_boot = status.get("boot_id") in (None, boot_id())
         # Every pid is checked against its recorded start time: a reused pid is not the run's process.
@@ -203,6 +199,21 @@ def run_state(run_dir: Path) -> dict[str, Any]:
                 reconciled["signal"],
             )
             info["evidence"] = reconciled["evidence"]
+        elif (
+            not supervisor_alive and not launcher_alive and not status.get("supervisor_pid") and not job_alive
+        ):
+            # The launcher ended (a hang-up, Ctrl-C) during its preflight, before it started a supervisor:
+            # nothing ran, nothing is lost but the start.
+            state = "lost"
+            again = (
+                resume_command(run_dir)
+                if (run_dir / "config.yaml").is_file()
+                else f"flashdraft launch {launch.get('config') or 'CONFIG'}"
+            )
+            diagnosis = (
+                f"the launch was interrupted before the job started (its launcher, pid {status.get('launcher_pid')}, "
+                f"ended during the preflight checks); nothing ran: start it again with {again}"
+            )
         elif not supervisor_alive and not launcher_alive:
             state = "lost"
             why = "the host rebooted" if not same_boot else "its supervisor is gone"
@@ -229,7 +240,10 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             state = "starting"
     info["state"] = state
     info["diagnosis"] = diagnosis
-    if state in (*FINAL_STATES, "lost") and not info["job_alive"] and state != "finished":
+    live = state not in (*FINAL_STATES, "lost")
+    if live and hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
+        info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])  # none once it ended
+    if not live and not info["job_alive"] and state != "finished" and (run_dir / "config.yaml").is_file():
         info["resume"] = resume_command(run_dir)
     info["last_log_line"] = next((line for line in reversed(tail[-20:]) if line.strip()), "")
     return info
@@ -298,6 +312,9 @@ def _signal_job(run_dir: Path, status: dict[str, Any], signum: int) -> bool:
         sent = True
     else:
         sent = signal_group(job_pid, started, signum, run_id=run_id)
+        if signum == signal.SIGKILL:  # torchrun's workers run in sessions of their own: not in its group
+            for worker in workers:
+                signal_process(worker, signum)
     if sent:
         _append_log(run_dir, f"{signal.Signals(signum).name} to job pid {job_pid} (flashdraft stop)")
     return sent
@@ -312,11 +329,34 @@ def _wait_until_ended(run_dir: Path, timeout: float) -> dict[str, Any]:
     return info
 
 
-def stop_run(run_dir: Path, *, force: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+def waiting_for(heartbeat: dict[str, Any]) -> str:
+    """What a SIGTERMed job still does before it exits, from rank 0's heartbeat (the trainer stops after
+    the step in progress, writes a checkpoint and waits for the write)."""
+    phase, step = heartbeat.get("phase"), heartbeat.get("step")
+    after = "and the checkpoint to be written"
+    if phase == "evaluating":
+        return f"the evaluation pass after step {step} to finish, then step {(step or 0) + 1} {after}"
+    if phase == "checkpointing":
+        return f"the checkpoint of step {step} to be written, then step {(step or 0) + 1} and its checkpoint"
+    if phase in ("training", "compiling") and step is not None:
+        return f"step {step + 1} to finish {after}"
+    if phase == "finished":
+        return "the job to exit (training is done)"
+    return f"the job to finish starting (phase {phase or 'starting'}), then its first step {after}"
+
+
+def stop_run(
+    run_dir: Path,
+    *,
+    force: bool = False,
+    timeout: float = 300.0,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Graceful: SIGTERM lets the trainer finish its step and checkpoint. With `force`, SIGKILL the job's
     process group if it has not ended within `timeout`, after recording in status.json that stop did so.
     A job whose supervisor is gone is stopped the same way. No signal goes to a pid that is not verified
-    to be the run's job (docs/run-files.md, "Process identity")."""
+    to be the run's job (docs/run-files.md, "Process identity"). `say` gets what stop waits for and, on
+    its timeout, that it gave up and how to end the job anyway."""
     info = run_state(run_dir)
     if not is_live(info):
         return info
@@ -324,8 +364,21 @@ def stop_run(run_dir: Path, *, force: bool = False, timeout: float = 300.0) -> d
     if not status.get("job_pid"):
         raise FlashdraftError(f"run {run_dir.name}: no job process recorded yet (state {info['state']})")
     _signal_job(run_dir, status, signal.SIGTERM)
+    say(
+        f"run {run_dir.name}: asked to stop (SIGTERM); waiting up to {timeout:.0f} s for "
+        f"{waiting_for(read_json(run_dir / 'rank0' / 'heartbeat.json') or {})}"
+    )
     info = _wait_until_ended(run_dir, timeout)
+    if is_live(info) and not force:
+        heartbeat = read_json(run_dir / "rank0" / "heartbeat.json") or {}
+        say(
+            f"run {run_dir.name}: not stopped within --timeout {timeout:.0f} s (now phase "
+            f"{heartbeat.get('phase')}, step {heartbeat.get('step')}); it still stops on its own once it "
+            f"finishes the step; wait longer with flashdraft stop {run_dir.name} --timeout SECONDS, or end it "
+            f"now with flashdraft stop {run_dir.name} --force (SIGKILL; the newest complete checkpoint stays)"
+        )
     if force and is_live(info):
+        say(f"run {run_dir.name}: not stopped within {timeout:.0f} s: --force, SIGKILL")
         heartbeat = read_json(run_dir / "rank0" / "heartbeat.json") or {}
         forced = {
             "time": time.time(),

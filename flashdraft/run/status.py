@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.run.monitor import find_run, gpu_usage, list_runs, run_state, runs_root
+from flashdraft.run.restarts import restart_line
 from flashdraft.run_protocol import rank_dir, read_json
 
 STATE_STYLE = {
@@ -91,6 +92,8 @@ def show_status(run: str | None, *, runs_dir: str | None = None, as_json: bool =
             )
         if info.get("balance"):
             console.print(balance_line(info["balance"]), soft_wrap=True)
+        for restart in info.get("restarts") or []:
+            console.print(restart_line(restart), soft_wrap=True)
         for line in info.get("evidence") or []:
             console.print(f"evidence: {line}")
         console.print(f"last log line: {info['last_log_line']}")

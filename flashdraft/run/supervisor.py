@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ import psutil
 from flashdraft.durable import atomic_write_bytes
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
 from flashdraft.run.processes import signal_process, start_time, torchrun_workers
+from flashdraft.run.restarts import RestartWatch, restart_line
 from flashdraft.run_protocol import (
     RUN_DIR_ENV,
     RUN_ID_ENV,
@@ -122,6 +124,38 @@ def _wait_watching(job: subprocess.Popen, run_dir: Path, stall_seconds: float, l
             _record(run_dir, {}, stacks_dumped=time.time())  # `status` says where the stacks are
 
 
+def _wait_restarting(
+    job: subprocess.Popen, run_dir: Path, watch: RestartWatch, log
+) -> tuple[int, str | None]:
+    """`job.wait()` for a torchrun job that restarts its worker group (`launch --max-restarts N`): each
+    restart is recorded as it happens, a hang is turned into one, and a failure that repeats at the same
+    step with the same cause ends the job. Returns its exit code and, when the watch gave up, why."""
+    while True:
+        try:
+            return job.wait(timeout=1.0), None
+        except subprocess.TimeoutExpired:
+            pass
+        before = len(watch.restarts)
+        give_up = watch.check_restart()
+        if len(watch.restarts) != before:
+            _record(run_dir, {}, restarts=watch.restarts)
+        if give_up:
+            _log(log, f"giving up: {give_up}")
+            workers = torchrun_workers(job.pid)
+            # torchrun first, so that it cannot start yet another attempt when its workers die
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)  # our own child, not yet reaped: its pid is still its own
+            for worker in workers:
+                signal_process(worker, signal.SIGKILL)
+            return job.wait(), give_up
+        try:
+            workers = torchrun_workers(job.pid)
+        except psutil.Error:
+            continue
+        if workers and watch.check_stall(workers):
+            _record(run_dir, {}, stacks_dumped=time.time())
+
+
 def _supervise(run_dir: Path, log) -> int:
     launch = read_json(run_dir / "launch.json")
     if launch is None:
@@ -187,15 +221,31 @@ def _supervise(run_dir: Path, log) -> int:
     status = _record(
         run_dir, status, state="running", job_pid=job.pid, job_pgid=job.pid, job_started=start_time(job.pid)
     )
-    returncode = _wait_watching(job, run_dir, float(launch.get("stall_seconds", 600)), log)
+    stall_seconds = float(launch.get("stall_seconds", 600))
+    max_restarts = int(launch.get("max_restarts") or 0)
+    give_up = watch = None
+    if max_restarts > 0:
+        nodes = launch.get("nodes") or {}
+        node = f"node {nodes.get('node_rank') or 0} ({socket.gethostname()})"
+        watch = RestartWatch(run_dir, max_restarts, stall_seconds, lambda line: _log(log, line), node)
+        returncode, give_up = _wait_restarting(job, run_dir, watch, log)
+    else:
+        returncode = _wait_watching(job, run_dir, stall_seconds, log)
     sig = signal_name(returncode)
     (run_dir / RESERVE_NAME).unlink(missing_ok=True)  # room for what follows, on a disk the job filled
     forced = (read_json(run_dir / "status.json") or status).get("forced_stop")
     diagnosis = diagnose_exit(run_dir, returncode if returncode >= 0 else None, sig, forced_stop=forced)
+    if give_up:
+        diagnosis.kind, diagnosis.line = "repeated_failure", give_up
+        diagnosis.evidence = [restart_line(r) for r in watch.restarts[-2:]]
+    elif watch is not None and watch.restarts and returncode != 0:
+        diagnosis.line += (
+            f" (after {len(watch.restarts)} restart(s) of {max_restarts}: flashdraft status lists them)"
+        )
     if returncode == 0:
         state = "stopped" if diagnosis.kind == "stopped" else "finished"
     else:
-        state = "killed" if sig else "failed"
+        state = "killed" if sig and not give_up else "failed"
     _log(
         log, f"job exited: {'signal ' + sig if sig else 'code ' + str(returncode)}; {state}: {diagnosis.line}"
     )

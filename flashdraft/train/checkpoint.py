@@ -14,10 +14,13 @@ its guarantees are in docs/training-safety.md:
 
 from __future__ import annotations
 
+import copy as copy_module
 import pickle
 import random
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,9 +111,12 @@ def save_checkpoint(
     drafter: DFlashDraftModel,
     trainer_state: dict[str, Any],
     keep_last: int,
+    rng: dict[str, Any] | None = None,
 ) -> Path:
     """Write `step-N` atomically and durably, then keep the last `keep_last`. Any failure removes the
-    temporary directory; a full disk is reported as such (torch and safetensors do not raise OSError)."""
+    temporary directory; a full disk is reported as such (torch and safetensors do not raise OSError).
+    `rng`: the RNG states to record, taken when the state was (default: now)."""
+    rng = rng_state() if rng is None else rng
     root = checkpoint_root(out_dir)
     final = root / f"step-{step:08d}"
     full: str | None = None
@@ -120,7 +126,7 @@ def save_checkpoint(
                 # In the weights' own dtype: with bf16 weights the fp32 masters are in the optimizer state,
                 # and an fp32 copy of bf16 values would only add 2 bytes per parameter to every write.
                 save_drafter(drafter, tmp / DRAFTER_DIR, dtype=next(drafter.parameters()).dtype)
-                torch.save({**trainer_state, "format": STATE_FORMAT, "rng": rng_state()}, tmp / STATE_NAME)
+                torch.save({**trainer_state, "format": STATE_FORMAT, "rng": rng}, tmp / STATE_NAME)
             except Exception as exc:
                 full = disk_full_reason(exc, root)  # measured while the temporary still fills the disk
                 raise
@@ -137,6 +143,126 @@ def save_checkpoint(
     for old in list_checkpoints(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# --------------------------------------------------------------------------- writing off the step's path
+
+
+@dataclass
+class WrittenCheckpoint:
+    step: int
+    path: Path
+    copy_seconds: float  # on the step's path: waiting for the previous write, then the copy to the host
+    write_seconds: float  # in the writer's thread: files, fsync, rename, pruning
+
+    def line(self) -> str:
+        return (
+            f"checkpoint step {self.step}: {_megabytes(self.path)} written in {self.write_seconds:.2f} s in the background "
+            f"(the step paid {self.copy_seconds:.2f} s for the copy) -> {self.path}"
+        )
+
+
+def _megabytes(directory: Path) -> str:
+    """A checkpoint's size on disk, for the line that says it was written."""
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return f"{size / 1e6:.1f} MB"
+
+
+class CheckpointWriter:
+    """Checkpoints off the step's path: `save` copies the state to host memory (pinned, reused from one
+    save to the next, on CUDA; a plain copy on the CPU) and returns; a thread writes it through
+    `save_checkpoint` (fsync, rename: crash safety unchanged). A second `save` waits only while the first
+    still writes. `poll` (every step) reports a finished write (its line with the write's own seconds,
+    the heartbeat's `checkpoint` and `checkpoint_write_seconds`) and raises a failed write's error; `wait` does both after the last
+    write, and the final save and a stop go through it. The thread is not a daemon: a job that fails
+    meanwhile still completes the write before its interpreter exits."""
+
+    def __init__(self, heartbeat: Any = None, say: Callable[[str], None] = print):
+        self.heartbeat, self.say = heartbeat, say
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._written: list[WrittenCheckpoint] = []
+        self._host: dict[str, torch.Tensor] = {}  # host buffers by place in the state, reused
+
+    def save(
+        self,
+        out_dir: str | Path,
+        step: int,
+        drafter: DFlashDraftModel,
+        trainer_state: dict[str, Any],
+        keep_last: int,
+    ) -> None:
+        started = time.perf_counter()
+        self.wait()  # the previous write, if it still runs (and its error, if it failed)
+        rng = rng_state()  # the step's RNG states, as a synchronous save took them
+        on_device = drafter.state_dict()
+        weights = self._to_host(on_device, "weights")
+        state = self._to_host(trainer_state, "state")
+        if any(t.is_cuda for t in on_device.values()):
+            torch.cuda.synchronize()  # the non-blocking copies have landed before the thread reads them
+        with torch.device("meta"):
+            copy = type(drafter)(drafter.config)  # holds the host copy; nothing allocated beyond it
+        copy.load_state_dict(weights, assign=True)
+        copy_seconds = time.perf_counter() - started
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(out_dir, step, copy, state, keep_last, rng, copy_seconds),
+            name=f"checkpoint-writer-{step}",
+        )
+        self._thread.start()
+
+    def _write(self, out_dir, step, drafter, state, keep_last, rng, copy_seconds) -> None:
+        started = time.perf_counter()
+        try:
+            path = save_checkpoint(out_dir, step, drafter, state, keep_last, rng=rng)
+        except BaseException as exc:  # raised in the training thread, at its next poll
+            self._error = exc
+            return
+        written = WrittenCheckpoint(step, path, copy_seconds, time.perf_counter() - started)
+        self._written.append(written)
+
+    def _to_host(self, tree: Any, where: str) -> Any:
+        """A copy of `tree` that the training loop cannot change: tensors into host buffers, containers
+        anew (the sampler's state dict, say, moves on with the next step)."""
+        if isinstance(tree, torch.Tensor):
+            tensor = tree.detach()
+            buffer = self._host.get(where)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+                )
+                self._host[where] = buffer
+            return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+        if isinstance(tree, dict):
+            return {k: self._to_host(v, f"{where}/{k}") for k, v in tree.items()}
+        if isinstance(tree, list | tuple):
+            return type(tree)(self._to_host(v, f"{where}/{i}") for i, v in enumerate(tree))
+        return copy_module.deepcopy(tree)
+
+    def poll(self) -> list[WrittenCheckpoint]:
+        """Report the writes finished since the last call; raise the error of one that failed."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        written, self._written = self._written, []
+        for done in written:
+            self.say(done.line())
+            if self.heartbeat is not None:
+                self.heartbeat.beat(
+                    checkpoint=str(done.path), checkpoint_write_seconds=round(done.write_seconds, 3)
+                )
+        return written
+
+    def wait(self) -> list[WrittenCheckpoint]:
+        """Until the write in progress, if any, is complete; then as `poll`."""
+        if self._thread is not None:
+            if self.heartbeat is not None and self._thread.is_alive():
+                self.heartbeat.beat("checkpointing")
+            self._thread.join()
+        return self.poll()
 
 
 # --------------------------------------------------------------------------- reading and resuming

@@ -17,7 +17,7 @@ import traceback
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.run_protocol import RUN_DIR_ENV, Heartbeat
+from flashdraft.run_protocol import RESTART_COUNT_ENV, RUN_DIR_ENV, Heartbeat
 
 
 def _install_thread_hook(heartbeat: Heartbeat) -> None:
@@ -50,9 +50,19 @@ def run_job(path: str | None, overrides: list[str]) -> dict:
     _install_thread_hook(heartbeat)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
+    # torchrun's restart of the worker group (launch --max-restarts): this attempt's number, in every beat
+    attempt = int(os.environ.get(RESTART_COUNT_ENV) or 0)
+    heartbeat.state["attempt"] = attempt
     heartbeat.beat("starting", force=True)
     try:
         config = load_config(path, overrides)
+        if attempt > 0 and config.train.resume != "auto":
+            # a restarted attempt continues from the newest complete checkpoint, whatever the first asked
+            print(
+                f"restart {attempt}: train.resume={config.train.resume} -> auto (the newest complete checkpoint)",
+                flush=True,
+            )
+            config.train.resume = "auto"
         if config.train.compile and config.distributed.mode != "split":
             # every rank of a colocated run compiles the drafter: start the compile workers before the
             # trainer's imports (seconds), which their own start-up then overlaps; a split run's target

@@ -47,7 +47,7 @@ from flashdraft.train.build import (
     start_run,
     step_hooks,
 )
-from flashdraft.train.checkpoint import save_checkpoint
+from flashdraft.train.checkpoint import CheckpointWriter
 from flashdraft.train.drafter_setup import build_drafter  # noqa: F401 - re-exported: tests build drafters here
 from flashdraft.train.feature_server import serve_features
 from flashdraft.train.flops import peak_tflops
@@ -88,6 +88,7 @@ class Trainer:
     logger: MetricsLogger | None  # the main rank's
     profiler: StepProfiler
     timed_saves: TimedSaves
+    writer: CheckpointWriter  # checkpoints off the step's path (the main rank writes)
     window: LogWindow  # the counters since the last metrics row
     peak_tflops: float | None  # the device's bf16 peak (MFU), None where unknown
 
@@ -123,6 +124,7 @@ class Trainer:
                 self.log_window(grad_norm)
             if self.validation_due(last, timed):
                 stopping = self.validate() or stopping
+            self.writer.poll()  # a finished background write's line and heartbeat; a failed one's error
             if self.checkpoint_due(last, stopping, timed):
                 self.save_checkpoint()
             if stopping:
@@ -350,20 +352,16 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """checkpoints/step-N: the drafter and everything a resume needs (train/checkpoint.py). With a
-        sharded drafter a collective; the main rank writes. Both parts are whole: a checkpoint does not
-        depend on the world size that wrote it."""
+        sharded drafter a collective; the main rank hands the state to the background writer, which copies
+        it to host memory and writes it while the next steps run. Both parts are whole: a checkpoint does
+        not depend on the world size that wrote it."""
         self.heartbeat.beat("checkpointing")
         drafter, trainer_state = self.checkpoint_contents()
         if self.topo.is_main:
-            started = time.perf_counter()
-            path = save_checkpoint(
+            self.writer.save(
                 self.out_dir, self.state.step, drafter, trainer_state, self.config.train.keep_last
             )
-            seconds = time.perf_counter() - started
-            self.say(
-                f"step {self.state.step}: checkpoint {path} written ({_megabytes(path)} in {seconds:.1f} s)"
-            )
-            self.heartbeat.beat("training", checkpoint=str(path))
+            self.heartbeat.beat("training")
 
     def checkpoint_contents(self) -> tuple[DFlashDraftModel, dict[str, Any]]:
         parallel = self.placement.data_parallel
@@ -383,6 +381,7 @@ class Trainer:
 
     def finish(self, outcome: str, over_budget: bool) -> dict[str, Any]:
         """Close what the loop opened, in an order that cannot hang, and sum up the run."""
+        self.writer.wait()  # the final (or the stop's) checkpoint is complete before the run reports its end
         self.hooks.close()
         if self.logger is not None:
             self.logger.close()
@@ -413,12 +412,6 @@ class Trainer:
 class StepTimer:
     started: float  # time.perf_counter() at the step's start
     compiles_since: float  # compile_report.now() at the step's start
-
-
-def _megabytes(directory: Path) -> str:
-    """A checkpoint's size on disk, for the line that says it was written."""
-    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
-    return f"{size / 1e6:.1f} MB"
 
 
 def non_finite(losses: list[Tensor], grad_norm: Tensor) -> Tensor:
@@ -504,6 +497,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         logger=logger,
         profiler=StepProfiler(run.out_dir, t.profile_start, t.profile_steps, topo.rank, run.device),
         timed_saves=TimedSaves(t.save_every_minutes, state.clock.train_seconds),
+        writer=CheckpointWriter(heartbeat, partial(say_on_main, topo)),
         window=LogWindow(spec.block_size),
         peak_tflops=peak_tflops(run.device),
     )

@@ -74,7 +74,7 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path, setup):
 
 
 def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):
-    info = launch(setup, "--nproc-per-node", "2", *fault("raise@3:1"))
+    info = launch(setup, "--nproc-per-node", "2", "--max-restarts", "0", *fault("raise@3:1"))
     info = wait_for(setup, info["run"], final)
     assert info["state"] == "failed" and "Python exception on rank 1, step 3" in info["diagnosis"]
     out = subprocess.run(
@@ -88,7 +88,9 @@ def test_failure_on_one_rank_is_diagnosed_with_that_rank(setup):
 def test_a_rank_killed_by_a_signal_ends_the_job_with_that_rank_named(setup):
     """kill -9 of one rank (as the OOM killer does): torchrun ends the other, and status names the dead rank,
     not the survivor whose collective lost its peer."""
-    info = launch(setup, "--nproc-per-node", "2", "train.max_steps=100000", *fault("kill@3:1"))
+    info = launch(
+        setup, "--nproc-per-node", "2", "--max-restarts", "0", "train.max_steps=100000", *fault("kill@3:1")
+    )
     info = wait_for(setup, info["run"], final, timeout=240)
     assert info["state"] == "failed", info
     assert info["diagnosis"].startswith("rank 1 (local rank 1) was killed by SIGKILL"), info["diagnosis"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
@@ -31,6 +30,8 @@ SPLIT = {
     "distributed.mode": "split",
     "distributed.target_ranks": 1,
 }
+# A limit for a run that must finish, not a measure of speed: a loaded 2-core machine is slow.
+SLOW_LIMIT_S = 900
 
 
 def _torchrun(setup, out: Path, settings: dict, env: dict | None = None, timeout: float = 170):
@@ -43,18 +44,19 @@ def _torchrun(setup, out: Path, settings: dict, env: dict | None = None, timeout
 @pytest.mark.slow
 def test_one_target_and_two_drafter_ranks_equal_one_process(setup, tmp_path):
     single = tmp_path / "single"
-    subprocess.run(
+    # Generous limits (a loaded 2-core machine ran past the old 120 s / 170 s ones); a run still going
+    # at its limit fails with every process's stacks (tests/processes.py), not a bare timeout.
+    alone = run_or_dump(
         [
             *(sys.executable, "-m", "flashdraft", "train", str(setup["config"]), f"train.out_dir={single}"),
             *("train.log_every=1", "train.device=cpu", "train.resume=never", "train.batch_size=4"),
             *("train.grad_accum=2", "train.max_steps=3"),
         ],
-        check=True,
-        capture_output=True,
-        timeout=120,
+        timeout=SLOW_LIMIT_S,
     )
+    assert alone.returncode == 0, (alone.stdout + alone.stderr)[-4000:]
     out = tmp_path / "split"
-    proc = _torchrun(setup, out, {"train.grad_accum": 2, "train.max_steps": 3})
+    proc = _torchrun(setup, out, {"train.grad_accum": 2, "train.max_steps": 3}, timeout=SLOW_LIMIT_S)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "x 2 process(es)" in proc.stdout  # two ranks train; the third runs the target
     _assert_same(_curve(single), _curve(out), [1, 2, 3])

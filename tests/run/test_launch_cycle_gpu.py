@@ -54,7 +54,15 @@ def test_launch_status_logs_stop_on_every_gpu(setup):
 
 def test_a_rank_killed_on_a_gpu_ends_the_job_with_that_rank_named(setup):
     last = GPUS - 1
-    info = launch(setup, "--nproc-per-node", str(GPUS), "train.max_steps=100000", *fault(f"kill@3:{last}"))
+    info = launch(
+        setup,
+        "--nproc-per-node",
+        str(GPUS),
+        "--max-restarts",
+        "0",
+        "train.max_steps=100000",
+        *fault(f"kill@3:{last}"),
+    )
     info = wait_for(setup, info["run"], final, timeout=COMPILE_S)
     assert info["state"] == "failed", info
     assert info["diagnosis"].startswith(f"rank {last} (local rank {last}) was killed by SIGKILL"), info[

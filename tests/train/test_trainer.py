@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.train import trainer
+from flashdraft.train import checkpoint
 from flashdraft.train.checkpoint import list_checkpoints
 from flashdraft.train.schedule import lr_lambda
 from flashdraft.train.trainer import train
@@ -23,8 +23,9 @@ from tests.faults import fault_env
 
 
 def crash_after_checkpoint(monkeypatch, step: int) -> None:
-    """An exception right after the step-`step` checkpoint is written (a crash, in-process)."""
-    real_save = trainer.save_checkpoint
+    """An exception right after the step-`step` checkpoint is written (a crash, in-process). The writer's
+    thread writes it; the training thread raises the error at its next step's poll."""
+    real_save = checkpoint.save_checkpoint
 
     def save_then_raise(out_dir, at, *args, **kwargs):
         path = real_save(out_dir, at, *args, **kwargs)
@@ -32,7 +33,7 @@ def crash_after_checkpoint(monkeypatch, step: int) -> None:
             raise RuntimeError(f"injected failure at step {at}")
         return path
 
-    monkeypatch.setattr(trainer, "save_checkpoint", save_then_raise)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_raise)
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +93,14 @@ def test_resume_after_sigkill_is_exact_and_logs_each_step_once(tmp_path, qwen3_t
         text=True,
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert [p.name for p in list_checkpoints(killed)] == ["step-00000004"]
+    # step 4's checkpoint is written in the background: complete, or (a write slower than two steps on a
+    # loaded machine) not there at all, never half there
+    written = [p.name for p in list_checkpoints(killed)]
+    assert written in (["step-00000004"], []), written
     # train.resume=auto picks up step 4 and replays steps 5 and 6, whose rows the killed run had logged
     proc = subprocess.run([sys.executable, "-m", "flashdraft", *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "resumed from" in proc.stdout
+    assert ("resumed from" in proc.stdout) == bool(written)
 
     a, b = _losses(straight), _losses(killed)
     assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
