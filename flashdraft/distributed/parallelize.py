@@ -62,8 +62,23 @@ def mark_context_dynamic() -> None:
     config = getattr(torch.compiler, "config", None)
     if config is None or not hasattr(config, "dynamic_sources"):  # an older torch: it recompiles once
         return
+    wanted = CONTEXT_DYNAMIC_SOURCES
+    if not _per_dim_sources():
+        # torch 2.11 reads an entry as a whole source name ("L['ctx']:1" matches nothing, and the layer
+        # recompiled at step 2 on the H200): there every dim of these inputs is dynamic from the start.
+        # Only the context's dims ever change; the others keep their sizes, so no guard fails on them.
+        wanted = tuple(dict.fromkeys(entry.split(":")[0] for entry in wanted))
     present = [s for s in config.dynamic_sources.replace(" ", "").split(",") if s]
-    config.dynamic_sources = ",".join([*present, *(s for s in CONTEXT_DYNAMIC_SOURCES if s not in present)])
+    config.dynamic_sources = ",".join([*present, *(s for s in wanted if s not in present)])
+
+
+def _per_dim_sources() -> bool:
+    """Whether this torch's dynamic_sources takes an entry's `:N` suffix as one dim (torch 2.13 does)."""
+    try:
+        from torch._dynamo.variables.builder import is_dynamic_source
+    except ImportError:
+        return False
+    return "dim" in inspect.signature(is_dynamic_source).parameters
 
 
 # Dynamo counts compiles per code object, and all drafter layers share DrafterLayer.forward: each layer
