@@ -117,11 +117,6 @@ def choose_threads(available: int, idle: float | None) -> int:
     return max(1, min(available, math.floor(idle + 0.25)))
 
 
-# The count a user asked for (`--threads N`) earlier in this process: a later call that chooses by itself
-# (a command body after the CLI's own call) keeps it instead of choosing again.
-_requested: int | None = None
-
-
 def configure_threads(requested: int | None, device: str) -> int:
     """Set the intra-op thread count for a command running its model on `device`, and the same count in
     OMP_NUM_THREADS/MKL_NUM_THREADS for its children; returns it. `requested` (`--threads N`) overrides
@@ -130,11 +125,6 @@ def configure_threads(requested: int | None, device: str) -> int:
         from flashdraft.errors import FlashdraftError
 
         raise FlashdraftError(f"--threads {requested}: expected a whole number of at least 1")
-    global _requested
-    if requested is None:
-        requested = _requested
-    else:
-        _requested = requested
     import torch
 
     if requested is None and not str(device).startswith("cpu"):

@@ -30,7 +30,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     source = args.gguf if args.gguf is not None else package_gguf(args.from_package)
     label = "GGUF_FILE" if args.gguf is not None else f"--from-package {args.from_package} file"
     print(f"converting {source} (dequantizing on the CPU; about 30 s for a 135M model)", flush=True)
-    out = convert_gguf(source, args.out, dtype=args.dtype, force=args.force, label=label)
+    out = convert_gguf(
+        source, args.out, dtype=args.dtype, force=args.force, label=label, threads=threads_of(args)
+    )
     print(f"wrote {out}: a plain Hugging Face model directory; use it as model.target / --target")
     return 0
 

@@ -61,6 +61,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         out=args.out,
         plot_path=args.plot,
         force=args.force,
+        threads=threads_of(args),
     )
     return 0
 

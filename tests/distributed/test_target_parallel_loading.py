@@ -146,17 +146,18 @@ def empty_model_from_config(kind: str):
         return AutoModelForCausalLM.from_config(tiny_config(kind))
 
 
-def test_without_safetensors_the_whole_model_is_loaded_saying_why(tmp_path, fake_rank, capsys):
+def test_a_target_without_safetensors_is_refused_before_any_rank_loads_it(tmp_path, fake_rank):
+    """Pickled weights are never loaded (issue 28): sharded loading refuses them as a single process does,
+    in one line that says how to convert them, instead of falling back to loading the whole pickle."""
     path = save_tiny_target(tmp_path / "bin", "qwen3")
     state = build_model(tiny_config("qwen3")).state_dict()
     torch.save(state, path / "pytorch_model.bin")
     (path / "model.safetensors").unlink()
     fake_rank(0)
-    target = load_group_target(path, LAYER_IDS, torch.device("cpu"), 2, dtype=torch.float32)
-    out = capsys.readouterr().out
-    assert f"{NOTICE} and cutting it there, not only each rank's shard: no model.safetensors" in out
-    assert len(out.strip().splitlines()) == 1
-    assert any(isinstance(p, DTensor) for p in target.model.parameters())
+    with pytest.raises(
+        FlashdraftError, match=r"only pytorch_model.bin \(a pickle.*convert them to safetensors"
+    ):
+        load_group_target(path, LAYER_IDS, torch.device("cpu"), 2, dtype=torch.float32)
 
 
 def test_a_broken_index_is_one_clear_error_naming_the_file_and_line(tmp_path, fake_rank):

@@ -69,9 +69,9 @@ def test_an_ended_run_shows_no_eta_a_live_one_does(tmp_path, monkeypatch):
 def test_the_resume_hint_is_the_launch_command_under_launch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "runs" / "r1"))
-    assert resume_hint() == "flashdraft launch --resume r1"
+    assert resume_hint() == "resume with flashdraft launch --resume r1"
     monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / "elsewhere" / "r1"))
-    assert resume_hint() == f"flashdraft launch --resume r1 --runs-dir {tmp_path / 'elsewhere'}"
+    assert resume_hint() == f"resume with flashdraft launch --resume r1 --runs-dir {tmp_path / 'elsewhere'}"
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,9 @@ def test_a_stop_during_validation_abandons_the_pass_and_checkpoints_at_once(
     printed = capsys.readouterr().out
     assert "step 4: evaluation abandoned for the stop request" in printed
     assert f"stopped at step 4; {resume_hint(None)}" in printed and "train.resume=auto" in printed
-    assert "checkpoint step 4: " in printed and " MB written in " in printed  # the write, its size and seconds
+    assert (
+        "checkpoint step 4: " in printed and " MB written in " in printed
+    )  # the write, its size and seconds
 
 
 def test_the_resume_hint_of_a_launched_run_is_the_launch_command(tmp_path, monkeypatch):
