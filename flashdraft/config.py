@@ -239,9 +239,24 @@ class TrainConfig:
         "With bf16: bf16 weights and gradients in the drafter, fp32 master weights, moments "
         "and gradient sums in the optimizer (faster). false: fp32 weights under bf16 autocast.",
     )
+    precision: str = doc(
+        "bf16",
+        "GEMM precision of the drafter's linear layers: 'bf16' or 'fp8' (torchao float8 training on a GPU "
+        "of compute capability 8.9+, `pip install 'flashdraft[fp8]'`; weights, master weights, optimizer "
+        "and checkpoints stay as with bf16: docs/fp8.md).",
+    )
+    fp8_recipe: str = doc(
+        "tensorwise",
+        "With precision=fp8: one dynamic scale per tensor ('tensorwise') or per row ('rowwise').",
+    )
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
     compile: bool = doc(
         True, "torch.compile the drafter layers and loss on GPU (flex attention requires it)."
+    )
+    compile_target: bool = doc(
+        True,
+        "torch.compile the frozen target's decoder layers on GPU for feature extraction (not a hybrid "
+        "target's, nor one sharded by distributed.target_parallel).",
     )
     activation_checkpointing: bool = doc(False, "Recompute drafter layer activations in the backward pass.")
     loss_chunk: int = doc(2048, "Block positions per LM-head chunk of the fused cross-entropy.")
@@ -800,6 +815,16 @@ def validate(config: Config) -> None:
             f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}",
         ),
         (t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got {t.dtype!r}"),
+        (t.precision in ("bf16", "fp8"), f"train.precision must be bf16 or fp8, got {t.precision!r}"),
+        (
+            t.fp8_recipe in ("tensorwise", "rowwise"),
+            f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}",
+        ),
+        (
+            t.precision != "fp8" or t.dtype != "fp32",
+            "train.precision=fp8 runs its FP8 GEMMs inside bf16 compute; it needs train.dtype auto or bf16, "
+            "not fp32",
+        ),
         (
             t.attention in ("auto", "flex", "sdpa"),
             f"train.attention must be auto, flex or sdpa, got {t.attention!r}",

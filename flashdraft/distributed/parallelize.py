@@ -32,8 +32,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from flashdraft.distributed.float8 import PRECISIONS, check_float8_device, convert_to_float8
+from flashdraft.distributed.target_parallel import GroupTarget
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.target import TargetModel
 
 # A batch's context (its padded length) changes from step to step. Compiled with every input static, a
 # drafter layer compiles for the first length, then again at the first other one with that length made
@@ -270,6 +273,7 @@ class Placement:
     param_dtype: torch.dtype  # the drafter's weights; below fp32, the optimizer keeps fp32 master weights
     pad_multiple: int  # sequence lengths are padded to this so compiled shapes repeat
     data_parallel: DataParallel  # what the objective calls, and how gradients meet across ranks
+    precision: str = "bf16"  # the drafter's linear GEMMs: "bf16" or "fp8"
 
 
 def pad_multiple(compiled: bool) -> int:
@@ -310,6 +314,32 @@ def compile_drafter(drafter: DFlashDraftModel) -> None:
     drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
 
 
+def target_compile_refusal(target: TargetModel) -> str | None:
+    """Why the target's decoder layers stay eager, or None: hybrid targets' linear-attention layers run
+    their own kernels (flash-linear-attention), never traced here; a group-sharded target (tensor
+    parallelism) computes through DTensors."""
+    layer_types = getattr(target.config, "layer_types", None) or ()
+    if "linear_attention" in layer_types:
+        return "its linear-attention layers run their own kernels"
+    if isinstance(target, GroupTarget):
+        return "it is sharded over several GPUs (distributed.target_parallel)"
+    return None
+
+
+def compile_target(target: TargetModel) -> bool:
+    """torch.compile the frozen target's decoder layers for feature extraction (docs/fp8.md, "The target's
+    forward"): each layer's `forward`, not its call, so that the capture hooks, which stop the forward after
+    the last feature layer, run outside the compiled code. All layers share one graph, dynamic in batch and
+    length from the first compile (a new padded length compiles nothing). The causal mask and RoPE are still
+    built by the model's own forward, uncompiled: with no padding, SDPA takes `is_causal` and its flash
+    kernel. Returns whether it compiled (see `target_compile_refusal`); GPU only."""
+    if target.device.type != "cuda" or target_compile_refusal(target) is not None:
+        return False
+    for layer in target.layers:
+        layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=True)
+    return True
+
+
 def parallelize(
     drafter: DFlashDraftModel,
     *,
@@ -319,12 +349,27 @@ def parallelize(
     activation_checkpointing: bool = False,
     dtype: str = "auto",
     master_weights: bool = True,
+    precision: str = "bf16",
+    fp8_recipe: str = "tensorwise",
     data_parallel: str = "none",
     group: dist.ProcessGroup | None = None,
     bucket_mb: float = 25.0,
 ) -> Placement:
-    """`data_parallel` is resolved already ('none', 'ddp' or 'fsdp': `resolve_data_parallel`)."""
+    """`data_parallel` is resolved already ('none', 'ddp' or 'fsdp': `resolve_data_parallel`).
+    `precision` 'fp8': the drafter's linear layers compute in FP8 (distributed/float8.py, docs/fp8.md)."""
     on_gpu = device.type == "cuda"
+    if precision not in PRECISIONS:
+        raise FlashdraftError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp8":
+        check_float8_device(device)
+        if dtype == "fp32":
+            raise FlashdraftError(
+                "train.precision=fp8 needs bf16 compute around its GEMMs: set train.dtype=bf16"
+            )
+        if data_parallel == "fsdp":
+            raise FlashdraftError(
+                "train.precision=fp8 with distributed.data_parallel=fsdp is not supported yet: use ddp"
+            )
     attention = ("flex" if on_gpu else "sdpa") if attention == "auto" else attention
     compile = compile and on_gpu
     if attention == "flex" and not on_gpu:
@@ -349,6 +394,8 @@ def parallelize(
     for param in drafter.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32
         param.data = param.data.to(param_dtype)
     drafter.rotary_emb.to(device)
+    if precision == "fp8":  # before compiling: the compiled layers trace the FP8 casts and GEMMs
+        convert_to_float8(drafter, fp8_recipe)
     for layer in drafter.layers:
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
@@ -365,4 +412,5 @@ def parallelize(
         param_dtype,
         pad_multiple=pad_multiple(compile),
         data_parallel=parallel,
+        precision=precision,
     )

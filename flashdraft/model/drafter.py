@@ -8,6 +8,7 @@ Parallelism, compilation and sharding are applied from outside (flashdraft/distr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
+def fused_linear(x: Tensor, linears: Sequence[nn.Linear]) -> Tensor:
+    """One GEMM for several linear layers over the same input (a wider N runs closer to the matmul
+    ceiling); each layer keeps its own weight, so checkpoint names and gradients are unchanged. Layers
+    converted for FP8 training carry the GEMM to use as `fused_gemm` (distributed/float8.py)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    gemm = getattr(linears[0], "fused_gemm", F.linear)
+    return gemm(x, weight, bias)
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -57,7 +68,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj)).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -98,16 +109,8 @@ class DrafterAttention(nn.Module):
         mask: Tensor | BlockMask | None,
     ) -> Tensor:
         b, n, _ = x.shape
-        # One GEMM for q, k and v of the block rows (a wider N runs closer to the matmul ceiling);
-        # the tensors stay separate, so checkpoint names and gradients are unchanged.
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(
-            x,
-            torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
-            None
-            if self.q_proj.bias is None
-            else torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]),
-        )
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))  # q, k and v of the block rows
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = apply_rope(self.q_norm(self._heads(q, self.num_heads)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)).transpose(1, 2), cos, sin)

@@ -20,7 +20,7 @@ from flashdraft.config import Config, TrainConfig, dump_yaml, to_dict
 from flashdraft.data.packing import packing_refusal
 from flashdraft.data.tokens import check_shard_sets
 from flashdraft.distributed.compile_workers import start_compile_workers
-from flashdraft.distributed.parallelize import Placement, parallelize, resolve_data_parallel
+from flashdraft.distributed.parallelize import Placement, compile_target, parallelize, resolve_data_parallel
 from flashdraft.distributed.roles import SplitDrafterHooks, StepHooks, load_rank_target
 from flashdraft.distributed.split import SplitRoles, split_topology
 from flashdraft.distributed.target_parallel import check_group_size
@@ -139,6 +139,8 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
     target = load_rank_target(
         config.model.target, layer_ids, device, config.distributed.target_parallel, roles
     )
+    if config.train.compile_target:
+        compile_target(target)  # whole on this GPU: its decoder layers compile at the first step
     startup.mark("target")
     data = load_training_data(
         config, block_size=drafter.spec.block_size, vocab_size=target.vocab_size, train_ranks=train_ranks
@@ -179,6 +181,8 @@ def place_drafter(run: RunStart) -> Placement:
         activation_checkpointing=t.activation_checkpointing,
         dtype=t.dtype,
         master_weights=t.master_weights,
+        precision=t.precision,
+        fp8_recipe=t.fp8_recipe,
         data_parallel=resolve_data_parallel(config.distributed.data_parallel, run.topo.world_size),
         group=run.topo.group,
         bucket_mb=config.distributed.bucket_mb,

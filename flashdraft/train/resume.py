@@ -44,6 +44,7 @@ EXEMPT = frozenset(
         "train.keep_last",
         "train.device",
         "train.compile",
+        "train.compile_target",  # the same features, computed by compiled kernels
         "train.activation_checkpointing",
         "train.loss_chunk",
         "distributed.timeout_minutes",
