@@ -4,6 +4,8 @@
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
+#   fp8:   torchao from WHL (default .whl), bench train shape (a) bf16 vs fp8 tensorwise/rowwise (the target's
+#          forward eager vs compiled inside it), the fp8 gpu tests (~6 min; BENCH_S, TESTS_S bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check
@@ -219,6 +221,14 @@ print('NVML:', gpu_usage())
     python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench train --target qwen3.6-27b --shape a \
       --out "$out/train_h200_27b_fla.json" 2>&1 | grep -v -i warn | tail -3 ;;
+  fp8)
+    # issue 32: torchao (carried as a wheel in WHL, default .whl) first, then bench train shape (a) with the
+    # bf16 drafter and both FP8 recipes (target eager vs compiled inside), then the fp8 gpu tests
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    python3 -c "import torch, torchao; from torchao.float8 import convert_to_float8_training; print('torchao', torchao.__version__, 'torch', torch.__version__, 'capability', torch.cuda.get_device_capability())" 2>&1 | grep -v "Failed to load" | tee "$out/fp8_import.txt"
+    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
+    timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
 esac

@@ -22,11 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
-from flashdraft.distributed.parallelize import parallelize
+from flashdraft.distributed.compile_workers import start_compile_workers
+from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS
+from flashdraft.distributed.parallelize import compile_target, parallelize
 from flashdraft.durable import atomic_directory, atomic_write_json, free_bytes
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
@@ -95,6 +98,8 @@ def run_shape(
     compile: bool,
     loss_chunk: int = 1024,
     master_weights: bool = True,
+    precision: str = "bf16",
+    fp8_recipe: str = "tensorwise",
 ) -> dict:
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
@@ -114,6 +119,8 @@ def run_shape(
         attention="flex" if compile else "sdpa",
         compile=compile,
         master_weights=master_weights,
+        precision=precision,
+        fp8_recipe=fp8_recipe,
     )
     loss_fn = WeightedHeadLoss(chunk=loss_chunk, compile=placement.compiled)
     objective = Objective(
@@ -138,6 +145,7 @@ def run_shape(
             torch.cuda.synchronize()
             compile_s = time.perf_counter() - compile_started
             timer = Timer()
+            graphs_after_warmup = counters["stats"]["unique_graphs"]
         cpu_batch = batches[i % len(batches)]
         cpu_blocks = objective.blocks(cpu_batch)
         batch, blocks = cpu_batch.to(torch.device("cuda")), cpu_blocks.to(torch.device("cuda"))
@@ -160,6 +168,7 @@ def run_shape(
                 )
             )
     times = timer.medians()
+    compiles_after_warmup = counters["stats"]["unique_graphs"] - graphs_after_warmup
     breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")))
     f = flops[0]
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
@@ -168,6 +177,7 @@ def run_shape(
         "shape": name,
         **shape,
         "compiled": compile,
+        "precision": precision if precision == "bf16" else f"fp8-{fp8_recipe}",
         "master_weights": master_weights,
         "loss_chunk": loss_chunk,
         "attention": placement.attention,
@@ -186,6 +196,7 @@ def run_shape(
         "samples_per_s_end_to_end": round(samples_per_s, 2),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
         "warmup_s": round(compile_s, 1),
+        "graphs_compiled_after_warmup": compiles_after_warmup,
         "breakdown_ms": breakdown,
     }
 
@@ -244,6 +255,55 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dic
     return {k: round(v, 2) for k, v in timer.medians().items()}
 
 
+def _median_ms(fn, repeats: int) -> float:
+    """Median device time of `fn()` over `repeats` calls, after one warm-up call."""
+    fn()
+    timer = Timer()
+    for _ in range(repeats):
+        with timer.span("call"):
+            fn()
+    return timer.medians()["call"]
+
+
+def target_gemm_floor_ms(target: TargetModel, tokens: int, repeats: int = 20) -> float:
+    """The target forward's floor: each linear layer of one decoder layer timed alone on `tokens` random
+    rows (bf16 cuBLAS), times the layers the forward runs (up to the last feature layer)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    per_layer = 0.0
+    for module in target.layers[0].modules():
+        if isinstance(module, torch.nn.Linear):
+            x = torch.randn(tokens, module.in_features, device="cuda", dtype=target.dtype, generator=g)
+            per_layer += _median_ms(lambda x=x, w=module.weight: torch.nn.functional.linear(x, w), repeats)
+    return per_layer * (max(target.layer_ids) + 1)
+
+
+def time_target(target: TargetModel, shape_names: list[str], compile_target_layers: bool) -> dict:
+    """The target's feature forward per shape: eager (HF's own code), then with its decoder layers compiled
+    (distributed/parallelize.py::compile_target), against the GEMM floor; the target stays compiled."""
+    batches = {
+        name: random_batch(SHAPES[name], target.vocab_size, 0).input_ids.cuda() for name in shape_names
+    }
+    report: dict = {name: {} for name in shape_names}
+    for name, ids in batches.items():
+        report[name]["eager_ms"] = round(_median_ms(lambda ids=ids: target.features(ids), 10), 2)
+        report[name]["gemm_floor_ms"] = round(target_gemm_floor_ms(target, ids.numel()), 2)
+    if compile_target_layers:
+        started = time.perf_counter()
+        compiled = compile_target(target)
+        for name, ids in batches.items():
+            target.features(ids)
+            if name == shape_names[0]:
+                torch.cuda.synchronize()
+                report["compile_s"] = round(time.perf_counter() - started, 1)
+            report[name]["compiled_ms"] = round(_median_ms(lambda ids=ids: target.features(ids), 10), 2)
+        report["compiled"] = compiled
+    for name in shape_names:
+        row = report[name]
+        best = row.get("compiled_ms", row["eager_ms"])
+        row["share_of_floor"] = round(row["gemm_floor_ms"] / best, 3)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv and any(a.startswith("--nproc-per-node") for a in argv):  # several GPUs: the real trainer
         return torchrun_bench(argv)
@@ -269,16 +329,58 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fp32 weights under bf16 autocast instead of bf16 weights + fp32 master weights (for comparison)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        action="append",
+        help="drafter GEMM precision, train.precision (repeat to compare; default bf16)",
+    )
+    parser.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        action="append",
+        help="with --precision fp8: train.fp8_recipe (repeat to compare; default tensorwise)",
+    )
+    parser.add_argument(
+        "--no-compile-target", action="store_true", help="the target's decoder layers eager (for comparison)"
+    )
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("flashdraft bench train: needs a CUDA GPU")
         return 2
+    if not args.no_compile:
+        start_compile_workers()  # as the trainer does: kernels build in parallel from the first compile
+    variants = [
+        (precision, recipe)
+        for precision in dict.fromkeys(args.precision or ["bf16"])
+        for recipe in (
+            dict.fromkeys(args.fp8_recipe or ["tensorwise"]) if precision == "fp8" else ["tensorwise"]
+        )
+    ]
+    shape_names = args.shape or ["a", "b"]
     target = build_target(args.target, args.target_layers)
-    results = []
-    for name in args.shape or ["a", "b"]:
-        results.append(
-            run_shape(
+    report = {
+        **provenance("train", argv),
+        "target": {
+            "kind": args.target,
+            "layers": target.config.num_hidden_layers,
+            "layer_ids": list(target.layer_ids),
+        },
+        "linear_attention_kernels": linear_attention_kernels(),
+        "target_forward": time_target(target, shape_names, not args.no_compile_target),
+        "results": [],
+    }
+    print("target forward:", report["target_forward"], flush=True)
+    print(
+        f"{'shape':5} {'precision':>15} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} "
+        f"{'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}",
+        flush=True,
+    )
+    results = report["results"]
+    for name in shape_names:
+        for precision, recipe in variants:
+            r = run_shape(
                 name,
                 target,
                 steps=args.steps,
@@ -288,30 +390,32 @@ def main(argv: list[str] | None = None) -> int:
                 compile=not args.no_compile,
                 loss_chunk=args.loss_chunk,
                 master_weights=not args.no_master_weights,
+                precision=precision,
+                fp8_recipe=recipe,
             )
-        )
-        torch.cuda.empty_cache()
-    report = {
-        **provenance("train", argv),
-        "target": {
-            "kind": args.target,
-            "layers": target.config.num_hidden_layers,
-            "layer_ids": list(target.layer_ids),
-        },
-        "linear_attention_kernels": linear_attention_kernels(),
-        "results": results,
-    }
-    header = f"{'shape':5} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} {'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}"
-    print(header)
-    for r in results:
-        print(
-            f"{r['shape']:5} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} {r['drafter_tflop_per_step']:10.2f} "
-            f"{r['drafter_tflops_achieved']:8.1f} {r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
-            f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}"
-        )
-        print("      breakdown:", r["breakdown_ms"], "| warmup", r["warmup_s"], "s")
-    if args.out:
-        atomic_write_json(args.out, report, indent=2)
+            torch.cuda.empty_cache()
+            # against the bf16 drafter of the same shape, measured in this process
+            base = next((b for b in results if b["shape"] == name and b["precision"] == "bf16"), None)
+            if base is not None:
+                r["vs_bf16"] = {
+                    key: round(r[key] / base[key], 3)
+                    for key in ("drafter_step_ms", "samples_per_s_end_to_end", "peak_memory_GiB")
+                }
+            results.append(r)
+            print(
+                f"{r['shape']:5} {r['precision']:>15} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
+                f"{r['drafter_tflop_per_step']:10.2f} {r['drafter_tflops_achieved']:8.1f} "
+                f"{r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
+                f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}",
+                flush=True,
+            )
+            print(
+                f"      breakdown: {r['breakdown_ms']} | warmup {r['warmup_s']} s | graphs after warm-up "
+                f"{r['graphs_compiled_after_warmup']} | vs bf16 {r.get('vs_bf16')}",
+                flush=True,
+            )
+            if args.out:  # after each variant: a run cut short by a time limit keeps what it measured
+                atomic_write_json(args.out, report, indent=2)
     return 0
 
 

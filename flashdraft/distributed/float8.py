@@ -63,15 +63,16 @@ def fits_float8(module: nn.Module, _name: str = "") -> bool:
     )
 
 
-def float8_config(recipe: str, *, emulate: bool = False):
+def float8_config(recipe: str, *, pad_inner_dim: bool = True, emulate: bool = False):
     """torchao's config for `recipe`. The inner dimension of the weight-gradient GEMM is the token count,
-    which need not be a multiple of 16 (blocks of 10 or 8 rows): torchao pads it (`pad_inner_dim`).
-    `emulate` computes the same casts with high-precision GEMMs (tests on the CPU)."""
+    which must be a multiple of 16 too: `pad_inner_dim` pads it where it may not be (blocks of 10 or 8
+    rows, unpadded context lengths), at the cost of copies. `emulate` computes the same casts with
+    high-precision GEMMs (tests on the CPU)."""
     if recipe not in FP8_RECIPES:
         raise FlashdraftError(f"train.fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {recipe!r}")
     float8, _, _ = _torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, pad_inner_dim=True, emulate=emulate)
+    return dataclasses.replace(config, pad_inner_dim=pad_inner_dim, emulate=emulate)
 
 
 def _float8_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: nn.Module, apply) -> Tensor:
@@ -83,11 +84,13 @@ def _float8_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: nn.Mo
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def convert_to_float8(drafter: nn.Module, recipe: str, *, emulate: bool = False) -> list[str]:
+def convert_to_float8(
+    drafter: nn.Module, recipe: str, *, pad_inner_dim: bool = True, emulate: bool = False
+) -> list[str]:
     """Swap the drafter's fitting linear layers for torchao's Float8Linear in place (before torch.compile);
-    returns the names of the converted layers."""
+    returns the names of the converted layers. `pad_inner_dim`: see `float8_config`."""
     float8, float8_linear, matmul = _torchao_float8()
-    config = float8_config(recipe, emulate=emulate)
+    config = float8_config(recipe, pad_inner_dim=pad_inner_dim, emulate=emulate)
     converted: list[str] = []
 
     def wanted(module: nn.Module, name: str) -> bool:

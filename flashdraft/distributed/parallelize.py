@@ -326,17 +326,21 @@ def target_compile_refusal(target: TargetModel) -> str | None:
     return None
 
 
-def compile_target(target: TargetModel) -> bool:
-    """torch.compile the frozen target's decoder layers for feature extraction (docs/fp8.md, "The target's
-    forward"): each layer's `forward`, not its call, so that the capture hooks, which stop the forward after
-    the last feature layer, run outside the compiled code. All layers share one graph, dynamic in batch and
-    length from the first compile (a new padded length compiles nothing). The causal mask and RoPE are still
-    built by the model's own forward, uncompiled: with no padding, SDPA takes `is_causal` and its flash
-    kernel. Returns whether it compiled (see `target_compile_refusal`); GPU only."""
-    if target.device.type != "cuda" or target_compile_refusal(target) is not None:
-        return False
+def compile_decoder_layers(target: TargetModel) -> None:
+    """torch.compile each decoder layer's `forward`, not its call, so that the capture hooks, which stop the
+    forward after the last feature layer, run outside the compiled code. All layers share one graph, dynamic
+    in batch and length from the first compile (a new padded length compiles nothing). The causal mask and
+    RoPE are still built by the model's own forward, uncompiled: with no padding, SDPA takes `is_causal`."""
     for layer in target.layers:
         layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=True)
+
+
+def compile_target(target: TargetModel) -> bool:
+    """Compile the frozen target's decoder layers for feature extraction on a GPU (docs/fp8.md, "The
+    target's forward"); returns whether it did (on the CPU, or see `target_compile_refusal`, it does not)."""
+    if target.device.type != "cuda" or target_compile_refusal(target) is not None:
+        return False
+    compile_decoder_layers(target)
     return True
 
 
@@ -395,7 +399,10 @@ def parallelize(
         param.data = param.data.to(param_dtype)
     drafter.rotary_emb.to(device)
     if precision == "fp8":  # before compiling: the compiled layers trace the FP8 casts and GEMMs
-        convert_to_float8(drafter, fp8_recipe)
+        # Compiled, context lengths are padded to 256 and blocks of 16 rows give whole multiples of 16
+        # tokens: the weight-gradient GEMMs need no padding copies (distributed/float8.py::float8_config).
+        aligned = compile and drafter.block_size % 16 == 0
+        convert_to_float8(drafter, fp8_recipe, pad_inner_dim=not aligned)
     for layer in drafter.layers:
         if activation_checkpointing:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
