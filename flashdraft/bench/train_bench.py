@@ -7,6 +7,11 @@ the work needs, train/flops.py), MFU against the 989 TFLOP/s datasheet peak and 
 matmul ceiling (docs/benchmarks.md), target ms, peak memory, and where the drafter step's time goes,
 timed with CUDA events around the real objective's own calls.
 
+`--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise]` runs each drafter
+precision in turn on the same target and reports each against bf16 (docs/fp8.md). Before the drafter
+steps, the target's feature forward is timed eager, then with its decoder layers compiled (as the trainer
+runs it; `--no-compile-target` keeps it eager), against its GEMM floor.
+
 `flashdraft bench train --data SHARDS [--packing on|off|both]` times real steps on a real shard set instead,
 with and without sequence packing (flashdraft/bench/packing_bench.py, docs/packing.md); it runs on the CPU
 with a small local target (`--target-dir`).
