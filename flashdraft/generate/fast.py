@@ -4,8 +4,9 @@
 The eager loop (`speculative.py`) pays transformers' per-token Python and a growing `DynamicCache` at
 every step. This engine keeps the same algorithm and changes only where the state lives:
 
-- the target's K/V sit in per-layer buffers `[rows, KV heads, width, head dim]` (`TargetKV`), written in
-  place at each row's own columns; the drafter's context K/V likewise (`_context`), so nothing grows;
+- the target's K/V sit in the one static cache (`kv_cache.StaticKVCache`: per layer `[rows, KV heads,
+  width, head dim]`), written in place at each row's own columns; the drafter's context K/V likewise
+  (`_context`), so nothing grows;
 - a rejected draft needs no rollback for full or sliding attention: a row's keys past its committed length
   are masked out by the next step's mask and overwritten by its next verify (sliding layers keep every
   key and their mask sees only the window);
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashdraft.generate.kv_cache import StaticKVCache, step_masks
 from flashdraft.generate.speculative import Generation
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel, DraftCache
@@ -68,53 +70,6 @@ def unsupported_reason(
     if drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
         return "a DFlash2 drafter proposes through its candidate selector"
     return None
-
-
-def _masks(visible_columns: Tensor, positions: Tensor, window: int | None) -> Tensor | dict[str, Tensor]:
-    """The target's 4-D boolean masks [rows, 1, queries, columns] for queries at `positions` [rows, q]: a
-    query sees every key up to its own position; in sliding layers only the last `window` of them (as
-    transformers' sliding mask: query - key < window). With sliding layers, one mask per layer type."""
-    queries = positions[:, None, :, None]
-    full = visible_columns[None, None, None, :] <= queries
-    if window is None:
-        return full
-    return {"full_attention": full, "sliding_attention": full & (visible_columns > queries - window)}
-
-
-class TargetKV:
-    """Every target layer's keys and values, `[rows, KV heads, width, head dim]`, written in place.
-
-    transformers' attention layers (5.17, 5.24) call `cache.update(key, value, layer_idx)` and attend to what
-    it returns when explicit positions and a ready 4-D mask are given. In a prefill (`prefill_row` set) one
-    row's prompt keys go to its columns 0..P-1 and the prompt attends to them alone; in a step the block's B
-    keys of row r go to columns `columns[r]` and attention sees the first `visible` columns."""
-
-    def __init__(self, target: TargetModel, rows: int, width: int, block: int):
-        text = target.config
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (rows, heads, width, head_dim)
-        device, dtype = target.device, target.dtype
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
-        self.columns = torch.zeros(rows, block, dtype=torch.long, device=device)
-        self.visible = width
-        self.prefill_row: int | None = None
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self.prefill_row is not None:
-            row, length = self.prefill_row, key.shape[2]
-            keys[row : row + 1, :, :length] = key
-            values[row : row + 1, :, :length] = value
-            return key, value
-        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key)
-        values.scatter_(2, index, value)
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly
 
 
 @dataclass
@@ -171,7 +126,9 @@ class FastEngine:
     def _allocate(self, width: int) -> None:
         rows, block, device = self.rows, self.block, self.device
         self.width = width
-        self.kv = TargetKV(self.target, rows, width, block)
+        self.kv = StaticKVCache(
+            self.target.model.config, rows, width, self.target.dtype, device, queries=block
+        )
         self.anchor = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last committed token
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
         self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
@@ -254,7 +211,7 @@ class FastEngine:
                 positions,
                 visible,
             )
-        mask = _masks(self.column_index[:visible], positions, self.window)
+        mask = step_masks(self.column_index[:visible], positions, self.window)
         self.kv.columns.copy_(positions)
         self.kv.visible = visible
         output, features = self.target._run_with_capture(
@@ -327,9 +284,8 @@ class FastEngine:
         neither a stop nor the last allowed)."""
         length = prompt.shape[1]
         positions = torch.arange(length, device=self.device)[None]
-        mask = _masks(torch.arange(length, device=self.device), positions, self.window)
-        self.kv.prefill_row = row
-        try:
+        mask = step_masks(torch.arange(length, device=self.device), positions, self.window)
+        with self.kv.prefilling(slice(row, row + 1), slice(0, length)):
             output, features = self.target._run_with_capture(
                 stop_early=False,
                 input_ids=prompt.to(self.device),
@@ -339,8 +295,6 @@ class FastEngine:
                 logits_to_keep=1,
                 **{self.cache_argument: self.kv},
             )
-        finally:
-            self.kv.prefill_row = None
         first = output.logits[0, -1].argmax(-1)
         if self.drafter is not None:
             self._context(features, positions, rows=slice(row, row + 1))

@@ -16,15 +16,7 @@ from flashdraft.model.target import TargetModel
 
 VOCAB = 64
 NEW = 40
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run many times faster on one thread than on CPU cores shared with other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _sharpened(kind: str, **overrides) -> TargetModel:
