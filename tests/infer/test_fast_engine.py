@@ -125,6 +125,24 @@ def test_eval_on_the_fast_engine_in_batches_reports_the_eager_tau(trained, promp
     assert fast["decoder"]["speculative"]["rows"] == 3 and fast["decoder"]["plain"]["block_size"] == 1
 
 
+def test_sampled_eval_on_the_fast_engine_writes_what_the_eager_loop_writes(trained, prompts, tmp_path):
+    """At T > 0 every prompt draws from its own seeded stream (seed + i) on either engine, so
+    `--engine fast --batch-size 3` reports the eager loop's outputs and τ, and decodes on the fast engine."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for p in prompts[:4]))
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    argv += ["--prompts", str(prompts_file), "--max-new-tokens", "24", "--device", "cpu"]
+    argv += ["--temperature", "0.8", "--top-k", "40", "--seed", "5"]
+    reports = {}
+    for engine, extra in (("eager", []), ("fast", ["--batch-size", "3"])):
+        out = tmp_path / f"{engine}.json"
+        assert main([*argv, "--engine", engine, *extra, "--out", str(out)]) == 0
+        reports[engine] = json.loads(out.read_text())
+    assert reports["fast"]["decoder"]["engine"] == "fast"
+    for key in ("tau", "accepted_length_histogram", "output_tokens"):
+        assert reports["fast"][key] == reports["eager"][key], key
+
+
 def test_batch_size_without_the_fast_engine_is_one_line(trained, tmp_path, capsys):
     argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
     assert main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--batch-size", "4"]) == 2
