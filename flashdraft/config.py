@@ -456,7 +456,7 @@ class EvalSettings:
     engine: str = doc(
         "flashdraft",
         "flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
-        "batched with --batch-size (greedy, full or sliding attention; else eager, with a note); "
+        "batched with --batch-size (full or sliding attention; else eager, with a note); "
         "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
         choices=EVAL_ENGINES,
     )

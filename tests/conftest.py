@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests, restored after it (a test elsewhere may have changed the
+    count): tiny models run many times faster on one thread than on CPU cores shared with other processes.
+    Use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def target_dirs(tmp_path_factory) -> dict[str, str]:
     """One tiny target per supported family: Qwen3, Llama, Qwen3.5 hybrid (multimodal wrapper)."""

@@ -4,8 +4,9 @@
 The eager loop (`speculative.py`) pays transformers' per-token Python and a growing `DynamicCache` at
 every step. This engine keeps the same algorithm and changes only where the state lives:
 
-- the target's K/V sit in per-layer buffers `[rows, KV heads, width, head dim]` (`TargetKV`), written in
-  place at each row's own columns; the drafter's context K/V likewise (`_context`), so nothing grows;
+- the target's K/V sit in the one static cache (`kv_cache.StaticKVCache`: per layer `[rows, KV heads,
+  width, head dim]`), written in place at each row's own columns; the drafter's context K/V likewise
+  (`_context`), so nothing grows;
 - a rejected draft needs no rollback for full or sliding attention: a row's keys past its committed length
   are masked out by the next step's mask and overwritten by its next verify (sliding layers keep every
   key and their mask sees only the window);
@@ -17,9 +18,14 @@ every step. This engine keeps the same algorithm and changes only where the stat
   width bucket and replayed; on the CPU, or when capture fails, the same step runs eagerly.
 
 Block size 1 skips the drafter: plain decoding through the same engine, the speedup's baseline.
-Greedy decoding of full- and sliding-attention targets with DFlash drafters only (`unsupported_reason`);
-anything else (sampling, linear-attention hybrids, DFlash2) runs on the eager loop, which stays the
-reference this engine is tested against.
+Sampled decoding follows the eager loop draw for draw: each row has its own `torch.Generator`, seeded
+with its prompt's seed when the row is admitted, and draws per step what the eager loop draws with that
+generator (Exp(1) races for the drafts, B-1 uniforms and one Exp(1) row for the acceptance, whatever the
+row's block was cut to at the token limit), so a prompt's tokens do not depend on its batch. A row whose
+remaining budget is shorter than the block proposes only that many drafts, as the eager loop's cut block
+does: the drafter's mask hides the block positions past it.
+What it does not decode (`unsupported_reason`) runs on the eager loop, which stays the reference this
+engine is tested against.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashdraft.generate.kv_cache import StaticKVCache, step_masks
+from flashdraft.generate.sampling import (
+    check_sampling,
+    exponential_noise,
+    one_hot_probs,
+    race,
+    rejection_rows,
+    sample,
+    sampling_probs,
+)
 from flashdraft.generate.speculative import Generation
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel, DraftCache
@@ -43,14 +59,12 @@ _CPU_BUCKET = 16
 def unsupported_reason(
     target: TargetModel, drafter: DFlashDraftModel | None, temperature: float
 ) -> str | None:
-    """Why the fast engine cannot decode this (None: it can). It needs greedy decoding, a target whose
-    layers are full or sliding-window attention storing their keys through `cache.update` and taking a
-    per-layer-type dict of ready 4-D masks (Llama, Qwen3 and their kin), and a DFlash drafter (a DFlash2
-    candidate selector proposes through its own path)."""
+    """Why the fast engine cannot decode this (None: it can). It needs a target whose layers are full or
+    sliding-window attention storing their keys through `cache.update` and taking a per-layer-type dict
+    of ready 4-D masks (Llama, Qwen3 and their kin); a DFlash2 drafter decodes greedily only (its sampled
+    candidate walk draws through `torch.multinomial`, row by row)."""
     from flashdraft.generate.static import unsupported_reason as static_reason
 
-    if temperature != 0:
-        return "sampled decoding runs on the eager loop"
     text = target.config
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     if kinds - {"full_attention", "sliding_attention"}:
@@ -65,56 +79,9 @@ def unsupported_reason(
         return "its sliding layers name no sliding_window"
     elif not {"position_ids", "logits_to_keep"} <= set(inspect.signature(target.model.forward).parameters):
         return "its forward takes no position ids or logits_to_keep"
-    if drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
-        return "a DFlash2 drafter proposes through its candidate selector"
+    if temperature != 0 and drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
+        return "a DFlash2 drafter samples its candidate walk on the eager loop"
     return None
-
-
-def _masks(visible_columns: Tensor, positions: Tensor, window: int | None) -> Tensor | dict[str, Tensor]:
-    """The target's 4-D boolean masks [rows, 1, queries, columns] for queries at `positions` [rows, q]: a
-    query sees every key up to its own position; in sliding layers only the last `window` of them (as
-    transformers' sliding mask: query - key < window). With sliding layers, one mask per layer type."""
-    queries = positions[:, None, :, None]
-    full = visible_columns[None, None, None, :] <= queries
-    if window is None:
-        return full
-    return {"full_attention": full, "sliding_attention": full & (visible_columns > queries - window)}
-
-
-class TargetKV:
-    """Every target layer's keys and values, `[rows, KV heads, width, head dim]`, written in place.
-
-    transformers' attention layers (5.17, 5.24) call `cache.update(key, value, layer_idx)` and attend to what
-    it returns when explicit positions and a ready 4-D mask are given. In a prefill (`prefill_row` set) one
-    row's prompt keys go to its columns 0..P-1 and the prompt attends to them alone; in a step the block's B
-    keys of row r go to columns `columns[r]` and attention sees the first `visible` columns."""
-
-    def __init__(self, target: TargetModel, rows: int, width: int, block: int):
-        text = target.config
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (rows, heads, width, head_dim)
-        device, dtype = target.device, target.dtype
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(target.num_layers)]
-        self.columns = torch.zeros(rows, block, dtype=torch.long, device=device)
-        self.visible = width
-        self.prefill_row: int | None = None
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self.prefill_row is not None:
-            row, length = self.prefill_row, key.shape[2]
-            keys[row : row + 1, :, :length] = key
-            values[row : row + 1, :, :length] = value
-            return key, value
-        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key)
-        values.scatter_(2, index, value)
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly
 
 
 @dataclass
@@ -129,8 +96,9 @@ class _Row:
 
 
 class FastEngine:
-    """`generate(prompts)`: greedy speculative decoding (plain with block size 1) of many prompts, `rows`
-    at a time; every output and every acceptance length equals the eager loop's (tests/generate/)."""
+    """`generate(prompts, seeds)`: speculative decoding (plain with block size 1) of many prompts, `rows`
+    at a time, greedy or sampled; every output and every acceptance length equals the eager loop's
+    (tests/infer/test_fast_engine*.py, tests/generate/test_fast_engine*.py)."""
 
     def __init__(
         self,
@@ -143,8 +111,15 @@ class FastEngine:
         rows: int = 1,
         cuda_graphs: bool | None = None,
         bucket: int = 0,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        draft_sampling: str = "sample",
     ):
-        reason = unsupported_reason(target, drafter, 0.0)
+        check_sampling(temperature, top_p, top_k)
+        if draft_sampling not in ("sample", "argmax"):
+            raise ValueError(f"draft_sampling {draft_sampling!r}: expected 'sample' or 'argmax'")
+        reason = unsupported_reason(target, drafter, temperature)
         if reason:
             raise ValueError(f"the fast engine cannot decode this: {reason}")
         self.target, self.drafter = target, drafter
@@ -166,12 +141,20 @@ class FastEngine:
         sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
         self.window: int | None = int(target.config.sliding_window) if sliding else None
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.sampled = temperature > 0
+        self.draft_sampling = draft_sampling
+        self.selector = getattr(drafter, "candidate_selector", None)  # a DFlash2 drafter's
+        # one random stream per row, reseeded with each prompt's seed when the row is admitted
+        self.generators = [torch.Generator(device=self.device) for _ in range(rows)]
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _allocate(self, width: int) -> None:
         rows, block, device = self.rows, self.block, self.device
         self.width = width
-        self.kv = TargetKV(self.target, rows, width, block)
+        self.kv = StaticKVCache(
+            self.target.model.config, rows, width, self.target.dtype, device, queries=block
+        )
         self.anchor = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last committed token
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
         self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
@@ -220,16 +203,18 @@ class FastEngine:
             keys.scatter_(2, index, k)
             values.scatter_(2, index, v)
 
-    def _draft(self, block_ids: Tensor, positions: Tensor, visible: int) -> Tensor:
-        """The drafter's proposals [rows, B-1] for the blocks `block_ids` [rows, B]: every row's block
-        attends to its own context columns (those before its anchor) and to the whole block."""
+    def _draft(self, block_ids: Tensor, positions: Tensor, visible: int, proposed: Tensor) -> Tensor:
+        """The drafter's hidden states [rows, B-1, H] at block positions 1.. for the blocks `block_ids`
+        [rows, B]: every row's block attends to its own context columns (those before its anchor) and to
+        its first `proposed` + 1 block positions (a block cut at the token limit, as the eager loop cuts it)."""
         drafter = self.drafter
         context_columns = self.column_index[:visible][None].expand(self.rows, -1)
         anchors, keep = self.start[:, None], torch.ones(self.rows, 1, dtype=torch.bool, device=self.device)
-        masks = {
-            kind.key: dense_mask(anchors, keep, context_columns, self.block, kind)
-            for kind in set(drafter.layer_kinds())
-        }
+        in_block = (self.offsets[None, :] <= proposed[:, None])[:, None, None, :]  # [rows, 1, 1, B]
+        masks = {}
+        for kind in set(drafter.layer_kinds()):
+            mask = dense_mask(anchors, keep, context_columns, self.block, kind)
+            masks[kind.key] = torch.cat([mask[..., :visible], mask[..., visible:] & in_block], -1)
         cache = DraftCache(kv=[(k[:, :, :visible], v[:, :, :visible]) for k, v in self.context_kv])
         hidden = drafter(
             self.target.embed(block_ids),
@@ -240,21 +225,38 @@ class FastEngine:
             cache=cache,
             block_len=self.block,
         )
-        return drafter.compute_logits(hidden[:, 1:], self.target.lm_head_weight).argmax(-1)
+        return hidden[:, 1:]
+
+    def _proposals(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Draft tokens [rows, B-1] and, when sampling, the distributions q [rows, B-1, V] they came from
+        (as the eager loop's `_propose`: argmax, an Exp(1) race per row from its generator, or a DFlash2
+        drafter's greedy candidate walk)."""
+        vocab = self.target.vocab_size
+        if self.selector is not None:  # DFlash2, greedy (sampled DFlash2 is refused up front)
+            path, _, _ = self.drafter.propose(hidden, self.anchor, self.target.lm_head_weight, 0.0)
+            return path, None
+        logits = self.drafter.compute_logits(hidden, self.target.lm_head_weight)
+        if not self.sampled or self.draft_sampling == "argmax":
+            drafts = logits.argmax(-1)
+            return drafts, one_hot_probs(drafts, vocab) if self.sampled else None
+        q = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
+        shape = (self.block - 1, q.shape[-1])
+        noise = torch.stack([exponential_noise(shape, g, self.device) for g in self.generators])
+        return race(q, noise), q
 
     # -- one step: what a CUDA graph holds -------------------------------------------------------------
     def _step(self, visible: int) -> None:
         """Draft, verify and accept for every row; writes the outputs and advances the rows in place."""
         rows, block = self.rows, self.block
         positions = self.start[:, None] + self.offsets  # [rows, B]
+        # drafts each row proposes: B-1, or fewer where its token budget ends first (the eager loop's cut)
+        proposed = torch.clamp(self.max_new - self.count, min=0, max=block - 1)
         block_ids = self.anchor[:, None].expand(rows, block).clone()
+        draft_probs = None
         if block > 1:
-            block_ids[:, 1:] = self._draft(
-                torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1),
-                positions,
-                visible,
-            )
-        mask = _masks(self.column_index[:visible], positions, self.window)
+            masked = torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1)
+            block_ids[:, 1:], draft_probs = self._proposals(self._draft(masked, positions, visible, proposed))
+        mask = step_masks(self.column_index[:visible], positions, self.window)
         self.kv.columns.copy_(positions)
         self.kv.visible = visible
         output, features = self.target._run_with_capture(
@@ -265,24 +267,26 @@ class FastEngine:
             use_cache=True,
             **{self.cache_argument: self.kv},
         )
-        posterior = output.logits.argmax(-1)  # [rows, B]: the target's token after each block position
-        if block > 1:
-            matches = (block_ids[:, 1:] == posterior[:, :-1]).long().cumprod(-1)
-            produced = matches.sum(-1) + 1  # the accepted drafts and the bonus: all equal to posterior
+        # committed [rows, B]: the tokens each row would commit, the first `produced` of them kept
+        if self.sampled:
+            committed, produced = self._sampled_accept(output.logits, block_ids, draft_probs, proposed)
         else:
+            committed = output.logits.argmax(-1)  # the target's token after each block position
             produced = torch.ones(rows, dtype=torch.long, device=self.device)
+            if block > 1:  # the accepted drafts equal the target's tokens; the bonus follows them
+                produced += (block_ids[:, 1:] == committed[:, :-1]).long().cumprod(-1).sum(-1)
         in_reach = self.offsets[None, :] < produced[:, None]
-        stop_hit = (posterior[:, :, None] == self.stop_ids).any(-1) & in_reach
+        stop_hit = (committed[:, :, None] == self.stop_ids).any(-1) & in_reach
         first_stop = torch.where(stop_hit, self.offsets[None, :], block).min(-1).values
         produced = torch.minimum(produced, first_stop + 1)
         produced = torch.minimum(produced, self.max_new - self.count)
         produced = torch.where(self.active, produced, 0)
         write = self.offsets[None, :] < produced[:, None]
         columns = torch.where(write, self.count[:, None] + self.offsets, self.max_new)
-        self.out.scatter_(1, columns, posterior)
+        self.out.scatter_(1, columns, committed)
         if block > 1:  # the verified positions' features: the context of the rows' next blocks
             self._context(features, positions)
-        last = posterior.gather(1, (produced - 1).clamp(min=0)[:, None])[:, 0]
+        last = committed.gather(1, (produced - 1).clamp(min=0)[:, None])[:, 0]
         self.anchor.copy_(torch.where(produced > 0, last, self.anchor))
         self.start += produced
         self.count += produced
@@ -290,11 +294,34 @@ class FastEngine:
         self.active &= ~(stopped | (self.count >= self.max_new))
         self.produced.copy_(produced)
 
+    def _sampled_accept(
+        self, logits: Tensor, block_ids: Tensor, draft_probs: Tensor | None, proposed: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Rejection sampling of every row's drafts (`sampling.rejection_rows`), each row's randomness from
+        its own generator as the eager loop draws it: B-1 uniforms, then one Exp(1) row. Returns the
+        committed tokens [rows, B] (the accepted drafts, then the sampled token) and their count."""
+        vocab = logits.shape[-1]
+        p = sampling_probs(logits, self.temperature, self.top_p, self.top_k)  # [rows, B, V]
+        if self.block == 1:  # plain sampled decoding: one token from p, as the eager loop's pick
+            noise = torch.cat([exponential_noise((1, vocab), g, self.device) for g in self.generators])
+            return race(p[:, 0], noise)[:, None], torch.ones_like(proposed)
+        uniforms = torch.stack(
+            [torch.rand(self.block - 1, generator=g, device=self.device) for g in self.generators]
+        )
+        noise = torch.cat([exponential_noise((1, vocab), g, self.device) for g in self.generators])
+        drafts = block_ids[:, 1:]
+        accepted, token = rejection_rows(drafts, draft_probs, p, proposed, uniforms, noise)
+        committed = torch.cat([drafts, token[:, None]], 1).scatter(1, accepted[:, None], token[:, None])
+        return committed, accepted + 1
+
     # -- CUDA graphs -----------------------------------------------------------------------------------
     def _capture(self, widths: list[int]) -> None:
         """One graph per attended width, captured before any row is admitted: the warm-up steps run on
         inactive rows (they change nothing a later admission does not reset)."""
         if not self.cuda_graphs or self.graph_failure or not widths:
+            return
+        if self.sampled and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+            self.graph_failure = "this torch cannot register per-row generators with a CUDA graph"
             return
         try:
             side = torch.cuda.Stream(self.device)
@@ -306,6 +333,9 @@ class FastEngine:
             pool = torch.cuda.graph_pool_handle()
             for visible in widths:
                 graph = torch.cuda.CUDAGraph()
+                if self.sampled:  # each replay advances every row's random stream as an eager step does
+                    for generator in self.generators:
+                        graph.register_generator_state(generator)
                 with torch.cuda.graph(graph, pool=pool):
                     self._step(visible)
                 self.graphs[visible] = graph
@@ -322,14 +352,13 @@ class FastEngine:
             self._step(visible)
 
     # -- rows ------------------------------------------------------------------------------------------
-    def _admit(self, row: int, prompt: Tensor) -> bool:
-        """Prefill `prompt` [1, P] into `row`; returns whether the row decodes on (its first token is
-        neither a stop nor the last allowed)."""
+    def _admit(self, row: int, prompt: Tensor, seed: int) -> bool:
+        """Prefill `prompt` [1, P] into `row` (its generator reseeded with `seed`); returns whether the row
+        decodes on (its first token is neither a stop nor the last allowed)."""
         length = prompt.shape[1]
         positions = torch.arange(length, device=self.device)[None]
-        mask = _masks(torch.arange(length, device=self.device), positions, self.window)
-        self.kv.prefill_row = row
-        try:
+        mask = step_masks(torch.arange(length, device=self.device), positions, self.window)
+        with self.kv.prefilling(slice(row, row + 1), slice(0, length)):
             output, features = self.target._run_with_capture(
                 stop_early=False,
                 input_ids=prompt.to(self.device),
@@ -339,9 +368,12 @@ class FastEngine:
                 logits_to_keep=1,
                 **{self.cache_argument: self.kv},
             )
-        finally:
-            self.kv.prefill_row = None
-        first = output.logits[0, -1].argmax(-1)
+        logits = output.logits[0, -1]
+        if self.sampled:
+            generator = self.generators[row].manual_seed(seed)
+            first = sample(sampling_probs(logits, self.temperature, self.top_p, self.top_k), generator)
+        else:
+            first = logits.argmax(-1)
         if self.drafter is not None:
             self._context(features, positions, rows=slice(row, row + 1))
         self.out[row].zero_()
@@ -359,12 +391,17 @@ class FastEngine:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def generate(self, prompts: list[Tensor]) -> list[Generation]:
+    def generate(self, prompts: list[Tensor], seeds: list[int] | None = None) -> list[Generation]:
         """Every prompt [1, P] decoded; `rows` of them in flight at once, each finished row refilled with
-        the next prompt. Per row, `decode_seconds` is its share of the steps it was in (each step's time
-        split evenly among the rows decoding in it), so the rows' seconds add up to the decode time."""
+        the next prompt. Sampled, prompt i draws from a generator seeded with `seeds[i]` (default i): its
+        tokens equal the eager loop's with `torch.Generator().manual_seed(seeds[i])`. Per row,
+        `decode_seconds` is its share of the steps it was in (each step's time split evenly among the rows
+        decoding in it), so the rows' seconds add up to the decode time."""
         if not prompts:
             return []
+        seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
@@ -378,9 +415,9 @@ class FastEngine:
                 )
             )
             self.timing["capture_s"] += self._sync() - started
-            return self._decode_all(prompts)
+            return self._decode_all(prompts, seeds)
 
-    def _decode_all(self, prompts: list[Tensor]) -> list[Generation]:
+    def _decode_all(self, prompts: list[Tensor], seeds: list[int]) -> list[Generation]:
         results: list[Generation | None] = [None] * len(prompts)
         in_flight: dict[int, _Row] = {}
         waiting = list(range(len(prompts)))
@@ -402,7 +439,7 @@ class FastEngine:
                 while row not in in_flight and waiting:
                     index = waiting.pop(0)
                     began = self._sync()
-                    goes_on = self._admit(row, prompts[index])
+                    goes_on = self._admit(row, prompts[index], seeds[index])
                     in_flight[row] = _Row(index, prompts[index].shape[1])
                     in_flight[row].prefill_seconds = self._sync() - began
                     self.timing["prefill_s"] += in_flight[row].prefill_seconds
@@ -435,6 +472,7 @@ class FastEngine:
             "engine": "fast",
             "rows": self.rows,
             "block_size": self.block,
+            "temperature": self.temperature,
             "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
             "graphs_captured": len(self.graphs),
             "kv_bucket": self.bucket,

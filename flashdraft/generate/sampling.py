@@ -9,6 +9,8 @@ at the first mismatch (the bonus). Sampling: standard speculative rejection samp
 drafter's per-position proposal distribution q (one-hot for argmax proposals): accept x_i while
 u·q(x_i) < p(x_i); at the first rejection sample from norm(max(p - q, 0)); if all are accepted sample
 the bonus from p. Every emitted token is then distributed as the target alone would sample it.
+`rejection_rows` is that rule for many rows at once with the randomness given (the fast engine's, and the
+eager loop's with one row); every sampled token is a `race` (argmax of p / Exp(1) draws).
 
 `counter_uniform` / `seeded_token`: the regeneration engines' draw, from a counter-based hash of
 (row seed, step, token id) rather than a shared random stream, so an answer never depends on its batch.
@@ -56,9 +58,22 @@ def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k
     return torch.softmax(filter_logits(logits, temperature, top_p, top_k), dim=-1)
 
 
+def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None, device) -> Tensor:
+    """Exp(1) draws in fp32 from `generator`: the randomness of one `race` per leading index."""
+    return torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+
+
+def race(probs: Tensor, noise: Tensor) -> Tensor:
+    """The token argmax(p / E) of each distribution [..., V] for Exp(1) draws E of the same shape: token i
+    wins with probability p_i / Σp (E_i / p_i is exponential with rate p_i; the smallest is chosen). The
+    draw torch.multinomial makes for one sample, without its host-side check, so a CUDA graph holds it."""
+    return (probs / noise).argmax(-1)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per distribution [..., V], drawn from `generator` (`race` over fresh Exp(1) draws)."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    return race(flat, exponential_noise(tuple(flat.shape), generator, flat.device)).view(probs.shape[:-1])
 
 
 def greedy_accept(draft: Tensor, target_logits: Tensor) -> tuple[int, int]:
@@ -72,18 +87,44 @@ def greedy_accept(draft: Tensor, target_logits: Tensor) -> tuple[int, int]:
 def rejection_accept(
     draft: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
-    """draft [n]; draft_probs [n, V] (q per position); target_probs [n+1, V] (p per position)."""
-    n = draft.shape[0]
-    p = target_probs[:n].gather(-1, draft[:, None])[:, 0]
-    q = draft_probs.gather(-1, draft[:, None])[:, 0]
-    u = torch.rand(n, generator=generator, device=draft.device)
-    accepted = int((u * q < p).int().cumprod(dim=0).sum())
-    if accepted == n:
-        return n, int(sample(target_probs[n], generator))
-    residual = (target_probs[accepted] - draft_probs[accepted]).clamp(min=0)
-    total = residual.sum()
-    residual = residual / total if total > 0 else target_probs[accepted]
-    return accepted, int(sample(residual, generator))
+    """draft [n]; draft_probs [n, V] (q per position); target_probs [n+1, V] (p per position). Draws n
+    uniforms, then one Exp(1) row for the token after the accepted prefix."""
+    n, device = draft.shape[0], draft.device
+    u = torch.rand(n, generator=generator, device=device)
+    noise = exponential_noise((1, target_probs.shape[-1]), generator, device)
+    accepted, token = rejection_rows(
+        draft[None], draft_probs[None], target_probs[None], torch.tensor([n], device=device), u[None], noise
+    )
+    return int(accepted[0]), int(token[0])
+
+
+def rejection_rows(
+    drafts: Tensor,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    lengths: Tensor,
+    uniforms: Tensor,
+    noise: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The rejection rule for rows at once, on the device with no host sync (a CUDA graph holds it), the
+    randomness given: drafts [R, n], draft_probs q [R, n, V], target_probs p [R, n+1, V]; row r proposes only
+    its first `lengths[r]` drafts (≤ n: a block cut at the token limit); uniforms [R, n]; noise [R, V]
+    (Exp(1) draws for the row's one sampled token). Returns (accepted [R], token [R]): draft i is accepted
+    while u_i·q_i(x_i) < p_i(x_i); the token after the accepted prefix comes from norm(max(p - q, 0)) at the
+    first rejection (p where that is all zero), or from p after the last proposed draft."""
+    n = drafts.shape[1]
+    p = target_probs[:, :n].gather(-1, drafts[..., None])[..., 0]
+    q = draft_probs.gather(-1, drafts[..., None])[..., 0]
+    proposed = torch.arange(n, device=drafts.device)[None, :] < lengths[:, None]
+    accepted = ((uniforms * q < p) & proposed).long().cumprod(-1).sum(-1)
+    at = accepted[:, None, None].expand(-1, 1, target_probs.shape[-1])
+    p_at = target_probs.gather(1, at)[:, 0]
+    q_at = draft_probs.gather(1, at.clamp(max=max(n - 1, 0)))[:, 0] if n else torch.zeros_like(p_at)
+    residual = (p_at - q_at).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    rejected = (accepted < lengths)[:, None]
+    distribution = torch.where(rejected & (total > 0), residual / total, p_at)
+    return accepted, race(distribution, noise)
 
 
 def one_hot_probs(tokens: Tensor, vocab: int) -> Tensor:

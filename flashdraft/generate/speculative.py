@@ -20,9 +20,11 @@ from torch import Tensor
 
 from flashdraft.generate.sampling import (
     check_sampling,
+    exponential_noise,
     greedy_accept,
     one_hot_probs,
-    rejection_accept,
+    race,
+    rejection_rows,
     sample,
     sampling_probs,
 )
@@ -74,9 +76,12 @@ def _propose(
     top_k: int,
     draft_sampling: str,
     generator: torch.Generator | None,
+    block: int,
 ) -> tuple[Tensor, Tensor | None]:
     """Draft tokens for block positions 1.. from their hidden states [1, n, H], and the proposal
-    distribution q [n, V] they were drawn from (None when greedy: acceptance needs no q)."""
+    distribution q [n, V] they were drawn from (None when greedy: acceptance needs no q). A sampled DFlash
+    proposal races Exp(1) draws for all `block` - 1 positions, also when the block was cut shorter at the
+    token limit, so the random stream never depends on where a block was cut (the fast engine draws alike)."""
     greedy = temperature == 0
     argmax = greedy or draft_sampling == "argmax"
     vocab = target.vocab_size
@@ -95,7 +100,23 @@ def _propose(
         drafts = draft_logits.argmax(-1)
         return drafts, None if greedy else one_hot_probs(drafts, draft_logits.shape[-1])
     draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
-    return sample(draft_probs, generator), draft_probs
+    noise = exponential_noise((block - 1, draft_probs.shape[-1]), generator, draft_probs.device)
+    return race(draft_probs, noise[: draft_probs.shape[0]]), draft_probs
+
+
+def _sampled_accept(
+    drafts: Tensor, draft_probs: Tensor, target_probs: Tensor, block: int, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """The rejection rule (`sampling.rejection_rows`) for this one row: `block` - 1 uniforms and one Exp(1)
+    row per step, whatever the cut block's length, as the fast engine draws them."""
+    n, device = drafts.shape[0], drafts.device
+    uniforms = torch.rand(block - 1, generator=generator, device=device)[:n]
+    noise = exponential_noise((1, target_probs.shape[-1]), generator, device)
+    lengths = torch.tensor([n], device=device)
+    accepted, token = rejection_rows(
+        drafts[None], draft_probs[None], target_probs[None], lengths, uniforms[None], noise
+    )
+    return int(accepted[0]), int(token[0])
 
 
 @torch.inference_mode()
@@ -178,6 +199,7 @@ def generate(
                     top_k,
                     draft_sampling,
                     generator,
+                    block,
                 )
             logits, features = target.forward_cached(
                 block_ids[None], torch.arange(start, start + size, device=device)[None], cache
@@ -186,7 +208,7 @@ def generate(
                 accepted, bonus = greedy_accept(block_ids[1:], logits[0])
             elif size > 1:
                 target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
-                accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
+                accepted, bonus = _sampled_accept(block_ids[1:], draft_probs, target_probs, block, generator)
             else:
                 accepted, bonus = 0, pick(logits[0, -1])
             output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]

@@ -5,7 +5,8 @@ launches (mask building, cache concatenation, logits processors), not in GPU wor
 minimum per step (docs/regeneration.md, "The static engine"):
 - prompts sorted by length and left-padded so that all end at one column; prefilled once, in row chunks
   each as wide as its own longest prompt (short prompts are not computed over the longest one's padding);
-- per-layer K/V buffers allocated once (`KVBuffers`), written in place at one shared column per step;
+- per-layer K/V buffers allocated once (`kv_cache.StaticKVCache`, the fast engine's too), written in place
+  at one shared column per step;
 - per-row position ids and a 4-D attention mask buffer updated in place (nothing rebuilt per step);
 - greedy argmax, or `seeded_token` (per-row counter-based noise: the answer does not depend on its batch);
 - stop ids checked on the device; the host looks at the finished flags only every `check_every` steps;
@@ -31,6 +32,7 @@ from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.decode_attention import KERNELS, use_decode_attention
 from flashdraft.generate.engines import batch_size_for_memory, cut_at_stop
+from flashdraft.generate.kv_cache import StaticKVCache
 from flashdraft.generate.sampling import seeded_token
 from flashdraft.model.target import text_config
 
@@ -58,42 +60,6 @@ def _cache_argument(model) -> str | None:
     `past_key_values`."""
     accepted = inspect.signature(model.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in accepted), None)
-
-
-class KVBuffers:
-    """Every layer's keys and values, [rows, KV heads, width, head dim], written in place.
-
-    The attention layers of transformers 5.17 and 5.24 call `cache.update(key, value, layer_idx, ...)` and
-    attend to what it returns; nothing else of the cache is used when positions and a 4-D mask are given.
-    In a prefill (`prefill_rows` set) a row chunk's prompt keys go to `prefill_columns` (the chunk's own
-    width, ending where every prompt ends) and the chunk attends to them alone; in a decode step the one
-    new key goes to `column` (a device tensor, so a CUDA graph replays it at the current column) and
-    attention sees the first `visible` columns."""
-
-    def __init__(self, model, rows: int, width: int, dtype: torch.dtype, device: torch.device):
-        text = text_config(model.config)
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = (rows, heads, width, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(text.num_hidden_layers)]
-        self.column = torch.zeros(1, dtype=torch.long, device=device)
-        self.visible = width
-        self.prefill_rows: slice | None = None
-        self.prefill_columns = slice(0, width)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
-        if self.prefill_rows is not None:
-            keys[self.prefill_rows, :, self.prefill_columns] = key
-            values[self.prefill_rows, :, self.prefill_columns] = value
-            return key, value
-        keys.index_copy_(2, self.column, key)
-        values.index_copy_(2, self.column, value)
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are always passed explicitly
 
 
 class StaticEngine:
@@ -151,7 +117,7 @@ class StaticEngine:
     # -- buffers of one generate_ids call -------------------------------------------------------------
     def _allocate(self, rows: int, total: int) -> None:
         device, max_new = self.device, self.sampling.max_new_tokens
-        self.cache = KVBuffers(self.model, rows, total, self.dtype, device)
+        self.cache = StaticKVCache(self.model.config, rows, total, self.dtype, device)
         self.mask = torch.zeros(rows, 1, 1, total, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -184,7 +150,7 @@ class StaticEngine:
     def _step(self, visible: int) -> None:
         """One decode step for every row: the same kernels every time (this is what a CUDA graph holds)."""
         self.cache.visible = visible
-        self.mask.index_fill_(3, self.cache.column, True)
+        self.mask.scatter_(3, self.cache.columns[:, None, None, :], True)
         groups = {"row_groups": self.groups} if self.groups else {}
         logits = self._forward(
             input_ids=self.tokens,
@@ -193,7 +159,7 @@ class StaticEngine:
             **groups,
         )
         self._advance(logits, slice(None))
-        self.cache.column += 1
+        self.cache.columns += 1
         self.positions += 1
 
     # -- CUDA graphs ----------------------------------------------------------------------------------
@@ -275,7 +241,7 @@ class StaticEngine:
         self.generated.zero_()
         self.done.zero_()
         self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
-        self.cache.column.fill_(width)
+        self.cache.columns.fill_(width)
         record = not self.prefill_chunks  # the first batch only: the record stays short
         start = 0
         while start < rows:
@@ -299,13 +265,10 @@ class StaticEngine:
             # masked-out keys and values would still carry into real rows (0 x NaN)
             mask = (causal[None] & real[:, None, :]) | torch.eye(own, dtype=torch.bool, device=device)[None]
             rows_here = slice(start, start + len(part))
-            self.cache.prefill_rows, self.cache.prefill_columns = rows_here, slice(width - own, width)
-            try:
+            with self.cache.prefilling(rows_here, slice(width - own, width)):
                 logits = self._forward(
                     input_ids=ids, position_ids=positions, attention_mask=mask[:, None], logits_to_keep=1
                 )
-            finally:
-                self.cache.prefill_rows = None
             self.mask[rows_here, 0, 0, width - own : width] = real
             self.positions[rows_here] = lengths
             self._advance(logits, rows_here)
@@ -409,7 +372,7 @@ class StaticEngine:
             graph = self._graph(columns)
 
             def step() -> None:
-                self.cache.column.fill_(columns - 1)  # every step writes the last column again
+                self.cache.columns.fill_(columns - 1)  # every step writes the last column again
                 if graph is not None:
                     graph.replay()
                 else:

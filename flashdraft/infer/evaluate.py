@@ -161,8 +161,11 @@ def run_eval(
     `plain_runs`: plain decoding of these prompts by an earlier greedy call with the same target, prompts
     and settings (`bench quality` evaluates several checkpoints of one drafter). Empty, it is filled; filled,
     its outputs and timings stand in for plain decoding, which greedy makes identical and which no drafter
-    changes. Sampled decoding ignores it: there the plain runs draw from the generator the speculative
-    runs share.
+    changes. Sampled decoding ignores it: there every run draws its own seeded stream.
+
+    Sampled, prompt i's speculative and plain runs each draw from a generator seeded with
+    `sampling.seed + i`, on either engine, so a prompt's tokens do not depend on the other prompts or the
+    batch, and `--engine fast` writes what `--engine eager` writes.
 
     `threads`: CPU threads (`--threads`); None: from the free cores (flashdraft/cpu_threads.py). The --out
     report is rewritten after every prompt with `"complete": false` (a killed eval keeps what it measured)
@@ -193,9 +196,7 @@ def run_eval(
     # at any of them, not only at the tokenizer's eos
     stop_ids = target_stop_ids(target_path, tokenizer, settings.thinking, required=False)
 
-    g = torch.Generator(device=dev).manual_seed(settings.sampling.seed)
-
-    def run(prompt: torch.Tensor, with_drafter: bool) -> Generation:
+    def run(prompt: torch.Tensor, with_drafter: bool, index: int = 0) -> Generation:
         return generate(
             target,
             drafter if with_drafter else None,
@@ -206,7 +207,7 @@ def run_eval(
             top_p=settings.sampling.top_p,
             top_k=settings.sampling.top_k,
             stop_token_ids=stop_ids,
-            generator=g,
+            generator=torch.Generator(device=dev).manual_seed(settings.sampling.seed + index),
         )
 
     reuse = plain_runs is not None and settings.sampling.temperature == 0
@@ -247,8 +248,8 @@ def run_eval(
     with track("evaluating", len(encoded), unit="prompt") as bar:
         for i, prompt in enumerate(encoded):
             fast = decoder["engine"] == "fast"  # the fast engine decoded every prompt up front
-            spec_run = fast_spec[i] if fast else run(prompt, True)
-            plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False)
+            spec_run = fast_spec[i] if fast else run(prompt, True, i)
+            plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False, i)
             spec.append(spec_run)
             plain.append(plain_run)
             console.print(
@@ -365,16 +366,20 @@ def _fast_runs(
     """Speculative and (when `plain`) plain decoding of every prompt on the fast engine, the plain one
     block size 1 through the same engine; each warmed up (and its CUDA graphs captured) on the first
     prompt before the timed runs. The engines' records go into `decoder`."""
-    new, rows = settings.sampling.max_new_tokens, settings.batch_size
-    spec_engine = FastEngine(target, drafter, new, block_size=block, stop_token_ids=stop_ids, rows=rows)
-    plain_engine = FastEngine(target, None, new, stop_token_ids=stop_ids, rows=rows)
-    spec_engine.generate(encoded[:1])
-    spec = spec_engine.generate(encoded)
+    s = settings.sampling
+    new, rows = s.max_new_tokens, settings.batch_size
+    common = {"stop_token_ids": stop_ids, "rows": rows, "temperature": s.temperature}
+    common.update(top_p=s.top_p, top_k=s.top_k)
+    spec_engine = FastEngine(target, drafter, new, block_size=block, **common)
+    plain_engine = FastEngine(target, None, new, **common)
+    seeds = [s.seed + i for i in range(len(encoded))]  # as the eager runs are seeded
+    spec_engine.generate(encoded[:1], seeds[:1])
+    spec = spec_engine.generate(encoded, seeds)
     decoder["speculative"] = spec_engine.describe()
     if not plain:
         return spec, []
-    plain_engine.generate(encoded[:1])
-    plain_runs = plain_engine.generate(encoded)
+    plain_engine.generate(encoded[:1], seeds[:1])
+    plain_runs = plain_engine.generate(encoded, seeds)
     decoder["plain"] = plain_engine.describe()
     return spec, plain_runs
 

@@ -1,6 +1,6 @@
 """GPU checks (marker `gpu`) of the fast engine's CUDA graphs (flashdraft/generate/fast.py): captured, and
 replaying them gives what eager steps of the same engine give, token for token and step for step, for
-batch 1 and for ragged batched rows. Run on the device machine:
+batch 1 and for ragged batched rows, greedy and sampled. Run on the device machine:
 `python -m pytest -m gpu tests/generate/test_fast_engine_gpu.py`."""
 
 from __future__ import annotations
@@ -54,6 +54,30 @@ def test_cuda_graphs_replay_what_eager_steps_compute(pair, rows, speculative):
     stepped = FastEngine(target, drafter, NEW, rows=rows, cuda_graphs=False).generate(prompts)
     assert [r.tokens for r in replayed] == [r.tokens for r in stepped]
     assert [r.accepted for r in replayed] == [r.accepted for r in stepped]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sampled_cuda_graphs_replay_what_eager_steps_draw(pair, rows, speculative):
+    """Every row's generator is registered with the graphs: a replay advances it as an eager step does,
+    and reseeding it at a row's admission restarts the row's stream, so the tokens are the same."""
+    target, drafter = pair
+    drafter = drafter if speculative else None
+    prompts, seeds = _prompts(5), [11, 12, 13, 14, 15]
+    sampling = {"temperature": 0.8, "top_p": 0.95, "top_k": 32}
+    graphs = FastEngine(target, drafter, NEW, rows=rows, **sampling)
+    replayed = graphs.generate(prompts, seeds)
+    record = graphs.describe()
+    assert record["cuda_graphs"], record.get("cuda_graphs_failed")
+    stepped = FastEngine(target, drafter, NEW, rows=rows, cuda_graphs=False, **sampling).generate(
+        prompts, seeds
+    )
+    assert [r.tokens for r in replayed] == [r.tokens for r in stepped]
+    assert [r.accepted for r in replayed] == [r.accepted for r in stepped]
+    for prompt, seed, run in zip(prompts[:2], seeds, replayed, strict=False):  # and the eager loop's draws
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        reference = generate(target, drafter, prompt, NEW, generator=g, **sampling)
+        assert run.tokens == reference.tokens and run.accepted == reference.accepted
 
 
 def test_fast_greedy_on_the_gpu_equals_the_eager_loop_in_fp32(pair):

@@ -104,11 +104,14 @@ def test_rejection_rule_reproduces_the_target_distribution():
         assert (empirical - p[0]).abs().max() < 0.015, empirical
 
 
-def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
+@pytest.mark.parametrize("engine", ["eager", "fast"])
+def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path, engine):
     """2,000 seeded runs at T=1 over a 24-token vocabulary: the 2nd and 3rd generated tokens (which pass
     through drafting, rejection and bonus sampling) match the target's exact marginals (TV < 0.06; the
-    sampling noise of 2,000 draws over 24 outcomes is about 0.03)."""
+    sampling noise of 2,000 draws over 24 outcomes is about 0.03). The eager loop runs them one after
+    another from one generator; the fast engine 16 rows at a time, prompt i seeded with i."""
     from flashdraft.bench.tiny import save_tiny_target
+    from flashdraft.generate.fast import FastEngine
     from flashdraft.model.drafter import DFlashDraftModel
     from flashdraft.model.drafter_dir import make_drafter_config
 
@@ -136,13 +139,15 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
     exact2 = joint12.sum(0)
     exact3 = (joint12[:, :, None] * p3_given).sum((0, 1))
 
-    g = torch.Generator().manual_seed(1)
-    seconds, thirds, steps = [], [], []
-    for _ in range(2000):
-        out = generate(target, drafter, prompt, 3, temperature=1.0, generator=g)
-        seconds.append(out.tokens[1])
-        thirds.append(out.tokens[2])
-        steps.append(len(out.accepted))
+    if engine == "eager":
+        g = torch.Generator().manual_seed(1)
+        runs = [generate(target, drafter, prompt, 3, temperature=1.0, generator=g) for _ in range(2000)]
+    else:
+        fast = FastEngine(target, drafter, 3, rows=16, temperature=1.0)
+        runs = fast.generate([prompt] * 2000, seeds=list(range(2000)))
+    seconds = [out.tokens[1] for out in runs]
+    thirds = [out.tokens[2] for out in runs]
+    steps = [len(out.accepted) for out in runs]
     emp2 = torch.bincount(torch.tensor(seconds), minlength=24) / 2000
     emp3 = torch.bincount(torch.tensor(thirds), minlength=24) / 2000
     assert 0.5 * (emp2 - exact2).abs().sum() < 0.06

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from flashdraft.cli import main
-from flashdraft.generate.fast import FastEngine
+from flashdraft.generate.fast import FastEngine, unsupported_reason
 from flashdraft.generate.speculative import generate
-from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.model.drafter_dir import load_drafter, make_drafter_config, new_drafter
 from flashdraft.model.target import TargetModel
 
 NEW = 40
@@ -101,6 +101,43 @@ def test_fast_engine_equals_zlab_dflash_generate(pair, prompts, trained, monkeyp
         assert theirs.output_ids[0, theirs.num_input_tokens :].tolist() == run.tokens
 
 
+def _dflash2_from(drafter, target: TargetModel):
+    """A DFlash2 drafter warm-started from the trained DFlash one (a fresh DFlash2 layer computes what a DFlash
+    layer does), its convolutions' kernel projections and the selector's codebooks perturbed: the drafts
+    go through DFlash2's own forward and candidate walk, and real multi-token acceptances happen."""
+    config = make_drafter_config(
+        target.config,
+        num_layers=len(drafter.layers),
+        block_size=drafter.block_size,
+        mask_token_id=drafter.mask_token_id,
+        target_layer_ids=list(drafter.spec.target_layer_ids),
+        intermediate_size=drafter.config.intermediate_size,
+        arch="dflash2",
+    )
+    config.dflash_config["selector_top_k"] = 8
+    dflash2 = new_drafter(config)
+    dflash2.init_weights(torch.Generator().manual_seed(0))
+    dflash2.load_state_dict(drafter.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in dflash2.named_parameters():
+            if "codebook" in name or "kernel_projection" in name:
+                param.add_(0.05 * torch.randn(param.shape, generator=g))
+    return dflash2.eval()
+
+
+def test_dflash2_drafter_on_the_fast_engine_equals_the_eager_loop(pair, prompts):
+    target, drafter = pair
+    dflash2 = _dflash2_from(drafter, target)
+    eager = [generate(target, dflash2, p, NEW) for p in prompts]
+    assert max(max(run.accepted) for run in eager) >= 3
+    for rows in (1, 3):
+        fast = FastEngine(target, dflash2, NEW, rows=rows).generate(prompts)
+        assert [run.tokens for run in fast] == [run.tokens for run in eager]
+        assert [run.accepted for run in fast] == [run.accepted for run in eager]
+    assert "DFlash2" in unsupported_reason(target, dflash2, 0.7)  # its sampled walk stays eager
+
+
 def _eval_report(trained, prompts_file, out, *extra: str) -> dict:
     argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
     argv += ["--prompts", str(prompts_file), "--max-new-tokens", str(NEW), "--device", "cpu"]
@@ -123,6 +160,24 @@ def test_eval_on_the_fast_engine_in_batches_reports_the_eager_tau(trained, promp
     assert eager["decoder"] == {"engine": "eager", "batch_size": 1}
     assert fast["decoder"]["engine"] == "fast" and fast["decoder"]["batch_size"] == 3
     assert fast["decoder"]["speculative"]["rows"] == 3 and fast["decoder"]["plain"]["block_size"] == 1
+
+
+def test_sampled_eval_on_the_fast_engine_writes_what_the_eager_loop_writes(trained, prompts, tmp_path):
+    """At T > 0 every prompt draws from its own seeded stream (seed + i) on either engine, so
+    `--engine fast --batch-size 3` reports the eager loop's outputs and τ, and decodes on the fast engine."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for p in prompts[:4]))
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    argv += ["--prompts", str(prompts_file), "--max-new-tokens", "24", "--device", "cpu"]
+    argv += ["--temperature", "0.8", "--top-k", "40", "--seed", "5"]
+    reports = {}
+    for engine, extra in (("eager", []), ("fast", ["--batch-size", "3"])):
+        out = tmp_path / f"{engine}.json"
+        assert main([*argv, "--engine", engine, *extra, "--out", str(out)]) == 0
+        reports[engine] = json.loads(out.read_text())
+    assert reports["fast"]["decoder"]["engine"] == "fast"
+    for key in ("tau", "accepted_length_histogram", "output_tokens"):
+        assert reports["fast"][key] == reports["eager"][key], key
 
 
 def test_batch_size_without_the_fast_engine_is_one_line(trained, tmp_path, capsys):
