@@ -358,7 +358,7 @@ EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than rege
 FORCE_HELP = "replace an existing non-empty --out (never the target or an input)"
 THINKING = ("on", "off")
 REGENERATION_ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
-EVAL_ENGINES = ("flashdraft", "eager", "fast", "zlab")
+EVAL_ENGINES = ("auto", "flashdraft", "eager", "fast", "zlab")
 DTYPES = ("auto", "bf16", "fp32")
 
 
@@ -454,7 +454,8 @@ class EvalSettings:
     )
     max_prompts: int = doc(0, "use only the first N prompts (0: all)", "non_negative_int")
     engine: str = doc(
-        "flashdraft",
+        "auto",
+        "auto: fast on a GPU (or with --batch-size > 1) where it can decode the pair, else eager; "
         "flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
         "batched with --batch-size (full or sliding attention; else eager, with a note); "
         "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
@@ -487,7 +488,7 @@ def check_eval_settings(settings: EvalSettings) -> None:
         raise FlashdraftError(f"--dtype {settings.dtype}: expected auto, bf16 or fp32")
     if settings.batch_size < 1:
         raise FlashdraftError(f"--batch-size must be at least 1, got {settings.batch_size}")
-    if settings.batch_size > 1 and settings.engine != "fast":
+    if settings.batch_size > 1 and settings.engine not in ("fast", "auto"):
         raise FlashdraftError(
             f"--batch-size {settings.batch_size}: batched decoding runs on the fast engine: add --engine fast"
         )

@@ -336,8 +336,22 @@ def run_eval(
 
 def _decoder_record(settings: EvalSettings, target: TargetModel, drafter) -> dict[str, Any]:
     """Which loop decodes (`--engine fast` falls back to the eager loop, saying why, for what the fast
-    engine cannot decode) and with how many rows."""
-    if settings.engine != "fast":
+    engine cannot decode) and with how many rows. `auto` (the default) takes the fast engine where it
+    pays: on a GPU, where the eager loop is host-bound (docs/decoding.md), or for batched rows; on the CPU
+    at batch 1 the eager loop, the reference, is as fast."""
+    engine = settings.engine
+    if engine == "auto":
+        on_gpu = next(target.model.parameters()).device.type == "cuda"
+        wanted = on_gpu or settings.batch_size > 1
+        reason = unsupported_reason(target, drafter, settings.sampling.temperature) if wanted else None
+        engine = "fast" if wanted and (reason is None or settings.batch_size > 1) else "eager"
+        if wanted and reason is not None and engine == "eager":
+            return {
+                "engine": "eager",
+                "batch_size": 1,
+                "note": f"the fast engine cannot decode this ({reason}): ran eager",
+            }
+    if engine != "fast":
         return {"engine": "eager", "batch_size": 1}
     reason = unsupported_reason(target, drafter, settings.sampling.temperature)
     if reason is None:

@@ -180,8 +180,22 @@ def test_sampled_eval_on_the_fast_engine_writes_what_the_eager_loop_writes(train
         assert reports["fast"][key] == reports["eager"][key], key
 
 
-def test_batch_size_without_the_fast_engine_is_one_line(trained, tmp_path, capsys):
+def test_batch_size_on_the_eager_loop_is_one_line(trained, tmp_path, capsys):
     argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
-    assert main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--batch-size", "4"]) == 2
+    assert (
+        main([*argv, "--prompts", str(tmp_path / "p.jsonl"), "--engine", "eager", "--batch-size", "4"]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("flashdraft: error: --batch-size 4") and "--engine fast" in err and "\n" not in err
+
+
+def test_the_default_engine_is_eager_at_batch_one_on_the_cpu_and_fast_for_batches(trained, prompts, tmp_path):
+    """`--engine auto` (the default): on the CPU at batch 1 the eager loop, the reference; with
+    `--batch-size N` the fast engine, with the same τ. (On a GPU auto takes the fast engine: the gpu test.)"""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for p in prompts))
+    single = _eval_report(trained, prompts_file, tmp_path / "single.json")
+    batched = _eval_report(trained, prompts_file, tmp_path / "batched.json", "--batch-size", "2")
+    assert single["decoder"] == {"engine": "eager", "batch_size": 1}
+    assert batched["decoder"]["engine"] == "fast" and batched["decoder"]["batch_size"] == 2
+    assert batched["tau"] == single["tau"] and batched["output_tokens"] == single["output_tokens"]
