@@ -43,6 +43,7 @@ def global_rank() -> int:
         return int(node_rank) * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + int(os.environ["LOCAL_RANK"])
     return int(os.environ.get("RANK", "0"))
 
+
 # Phases a trainer reports; states the supervisor and `status` report.
 PHASES = (
     "starting",
