@@ -29,6 +29,20 @@ from flashdraft.durable import atomic_write_json
 RUN_DIR_ENV = "FLASHDRAFT_RUN_DIR"
 RUN_ID_ENV = "FLASHDRAFT_RUN_ID"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun in every worker: 0, then 1, 2, ...
+# A multi-node launch's --node-rank, in its job's environment: torchrun's elastic rendezvous numbers the
+# nodes in an order of its own (host name, then agent pid), so the ranks are counted from this instead
+# (docs/distributed.md, "Several nodes").
+NODE_RANK_ENV = "FLASHDRAFT_NODE_RANK"
+
+
+def global_rank() -> int:
+    """This training process's rank: node rank x processes per node + local rank on a multi-node launch,
+    torchrun's RANK otherwise (0 for one process)."""
+    node_rank = os.environ.get(NODE_RANK_ENV)
+    if node_rank is not None and "LOCAL_RANK" in os.environ:
+        return int(node_rank) * int(os.environ.get("LOCAL_WORLD_SIZE", "1")) + int(os.environ["LOCAL_RANK"])
+    return int(os.environ.get("RANK", "0"))
+
 
 # Phases a trainer reports; states the supervisor and `status` report.
 PHASES = (

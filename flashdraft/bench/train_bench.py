@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +48,11 @@ from flashdraft.train.metrics import read_metrics
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 
-SHAPES = {"a": {"batch": 2, "seq": 768, "anchors": 256}, "b": {"batch": 1, "seq": 3072, "anchors": 512}}
+SHAPES = {
+    "a": {"batch": 2, "seq": 768, "anchors": 256},
+    "b": {"batch": 1, "seq": 3072, "anchors": 512},
+    "tiny": {"batch": 2, "seq": 96, "anchors": 8},  # a CPU check of the bench itself, with --target-dir
+}
 DATASHEET_TFLOPS, MEASURED_CEILING_TFLOPS = 989.0, 789.0
 
 
@@ -479,8 +484,23 @@ def torchrun_bench(argv: list[str]) -> int:
     parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b")
     parser.add_argument("--target-layers", type=int, default=None)
     parser.add_argument("--workdir", default="bench-train-work", help="the saved random target and the runs")
+    parser.add_argument(
+        "--target-dir", default=None, help="a local target instead of a random one of --target's shape"
+    )
+    parser.add_argument(
+        "--mask-token-id", type=int, default=None, help="with --target-dir: the drafter's mask id"
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="checkpoint every K steps and report the step time of a checkpointing step against a plain "
+        "one, and the background write's own seconds and bytes (docs/distributed.md)",
+    )
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
+    if args.checkpoint_every < 0:
+        raise FlashdraftError(f"--checkpoint-every must be 0 (off) or more, got {args.checkpoint_every}")
     if args.target_parallel < 1 or args.nproc_per_node % args.target_parallel:
         raise FlashdraftError(
             f"--target-parallel {args.target_parallel} must divide --nproc-per-node {args.nproc_per_node}"
@@ -491,24 +511,34 @@ def torchrun_bench(argv: list[str]) -> int:
         )
     shape = SHAPES[args.shape]
     work = Path(args.workdir)
-    target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
-    if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
-        save_random_target(target_dir, args.target, args.target_layers)
+    if args.target_dir is not None:
+        target_dir = Path(args.target_dir)
+        vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    else:
+        target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
+        if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
+            save_random_target(target_dir, args.target, args.target_layers)
+        vocab = TARGETS[args.target]["vocab_size"]
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else MASK_TOKEN_IDS[args.target]
     trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
     steps = args.steps + args.warmup
+    work.mkdir(parents=True, exist_ok=True)
     data = work / f"data-{args.shape}.jsonl"
-    vocab = TARGETS[args.target]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     with data.open("w") as f:  # exactly the samples the run draws: one epoch
         for _ in range(steps * shape["batch"] * trainers):
-            ids = torch.randint(0, vocab - 300, (shape["seq"],), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (shape["seq"] - 64)}) + "\n")
+            ids = torch.randint(0, max(vocab - 300, vocab // 2), (shape["seq"],), generator=g).tolist()
+            prompt = min(64, shape["seq"] // 4)
+            f.write(
+                json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (shape["seq"] - prompt)})
+                + "\n"
+            )
     run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
     overrides = {
         "model.target": target_dir,
         "model.num_layers": args.drafter_layers,
         "model.block_size": 16,
-        "model.mask_token_id": MASK_TOKEN_IDS[args.target],
+        "model.mask_token_id": mask_token_id,
         "data.train": f"[{data}]",
         "data.max_length": shape["seq"],
         "train.out_dir": run,
@@ -517,7 +547,7 @@ def torchrun_bench(argv: list[str]) -> int:
         "train.num_anchors": shape["anchors"],
         "train.max_steps": steps,
         "train.log_every": 1,
-        "train.save_every": 10**9,
+        "train.save_every": args.checkpoint_every or 10**9,
         "train.keep_last": 1,
         "distributed.mode": args.mode,
         "distributed.target_ranks": args.target_ranks,
@@ -538,14 +568,30 @@ def torchrun_bench(argv: list[str]) -> int:
     ]
     cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     print(" ".join(map(str, cmd)), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    output = echo_lines(proc)  # the run's lines, shown as they come and kept for the checkpoint report
     # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
     # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
     rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
     if rows is None:
         print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
         return code or 1
-    seconds = [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup]
+    intervals = {
+        b["step"]: b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup
+    }
+    checkpoint = None
+    if args.checkpoint_every:
+        # a save follows its step's metrics row, so it lands in the interval up to the next row
+        saving = {s + 1 for s in range(args.checkpoint_every, steps, args.checkpoint_every)}
+        intervals, saving_intervals = (
+            {s: v for s, v in intervals.items() if s not in saving},
+            [v for s, v in intervals.items() if s in saving],
+        )
+        code = proc.wait()  # every background write's own line, the last one's too
+        checkpoint = checkpoint_report(output.lines(), intervals, saving_intervals, args.checkpoint_every)
+    seconds = list(intervals.values())
     step_s = statistics.median(seconds)
     samples_per_s = shape["batch"] * trainers / step_s
     result = {
@@ -564,6 +610,8 @@ def torchrun_bench(argv: list[str]) -> int:
         "samples_per_s_per_gpu": round(samples_per_s / args.nproc_per_node, 3),
         "tflops_drafter_median": statistics.median(r["tflops"] for r in rows if r["step"] > args.warmup),
     }
+    if checkpoint is not None:
+        result["checkpoint"] = checkpoint
     measured = [r for r in rows if r["step"] > args.warmup and "balance/target_waiting_share" in r]
     if measured:
         for side in ("target", "drafter"):
@@ -579,6 +627,69 @@ def torchrun_bench(argv: list[str]) -> int:
     if code != 0:
         print(f"flashdraft bench train: the run failed after its last step (exit {code}); the result stands")
     return code
+
+
+class _Lines:
+    def __init__(self, thread, lines: list[str]):
+        self.thread, self._lines = thread, lines
+
+    def lines(self) -> list[str]:
+        self.thread.join(timeout=10)
+        return list(self._lines)
+
+
+def echo_lines(proc) -> _Lines:
+    """Print the run's output as it comes (a thread) and keep its lines."""
+    import sys
+    import threading
+
+    kept: list[str] = []
+
+    def pump():
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", errors="replace")
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            kept.append(line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return _Lines(thread, kept)
+
+
+# train/checkpoint.py's WrittenCheckpoint.line
+WRITTEN_LINE = re.compile(
+    r"checkpoint step (\d+): ([\d.]+) MB written in ([\d.]+) s in the background "
+    r"\(the step paid ([\d.]+) s for the copy\)"
+)
+
+
+def checkpoint_report(
+    lines: list[str], plain: dict[int, float], saving: list[float], every: int
+) -> dict[str, object]:
+    """A checkpointing step against a plain one, and what the background writes took."""
+    writes = [
+        {"step": int(m[1]), "bytes": int(float(m[2]) * 1e6), "write_s": float(m[3]), "copy_s": float(m[4])}
+        for line in lines
+        if (m := WRITTEN_LINE.search(line))
+    ]
+    if not saving or not writes:
+        raise FlashdraftError(
+            f"bench train --checkpoint-every {every}: no checkpointing step was measured "
+            f"({len(saving)} step(s), {len(writes)} write line(s)); give more --steps than {every}"
+        )
+    plain_s, saving_s = statistics.median(plain.values()), statistics.median(saving)
+    return {
+        "every": every,
+        "plain_step_seconds_median": round(plain_s, 4),
+        "checkpoint_step_seconds_median": round(saving_s, 4),
+        "checkpoint_step_extra_seconds": round(saving_s - plain_s, 4),
+        "checkpoint_steps_measured": len(saving),
+        "copy_seconds_median": statistics.median(w["copy_s"] for w in writes),
+        "write_seconds_median": statistics.median(w["write_s"] for w in writes),
+        "bytes": writes[-1]["bytes"],
+        "writes": writes,
+    }
 
 
 def last_step_rows(

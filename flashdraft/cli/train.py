@@ -134,7 +134,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from flashdraft.run.launcher import check_nodes, launch
 
     path, overrides = split_config(args.config, args.overrides)
-    nodes = check_nodes(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    nodes = check_nodes(
+        args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.join_timeout, args.rdzv_id
+    )
     if args.resume is not None and path is not None:
         raise FlashdraftError(
             f"--resume {args.resume}: a resumed run keeps its own config; give key=value overrides only, "
@@ -325,6 +327,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="HOST:PORT",
         help="node 0's address and a free port, the same on every node (multi-node runs)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the nodes wait for each other at start and for a lost node to come back before "
+        "the run stops (multi-node runs; default 600)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        default=None,
+        help="the rendezvous name, the same on every node (multi-node runs; default flashdraft)",
     )
     p.add_argument(
         "--resume",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from flashdraft import devices
 from flashdraft.errors import FlashdraftError
+from flashdraft.run_protocol import NODE_RANK_ENV, global_rank
 
 
 def resolve_device(name: str) -> torch.device:
@@ -46,7 +47,7 @@ def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topo
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Topology(), resolve_device(device_name)
-    topo = Topology(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+    topo = Topology(global_rank(), world, int(os.environ.get("LOCAL_RANK", "0")))
     use_cuda = device_name != "cpu" and torch.cuda.is_available()
     if device_name.startswith("cuda") and not torch.cuda.is_available():
         raise FlashdraftError(f"train.device={device_name}: no CUDA GPU is visible to rank {topo.rank}")
@@ -65,9 +66,37 @@ def init_topology(device_name: str, timeout_minutes: float = 30.0) -> tuple[Topo
             "nccl" if use_cuda else "gloo",
             timeout=timeout,
             **({"device_id": device} if use_cuda else {}),
-            **_restart_store(topo, timeout),
+            **(_node_ranked_store(topo, timeout) or _restart_store(topo, timeout)),
         )
     return topo, device
+
+
+def _node_ranked_store(topo: Topology, timeout: datetime.timedelta) -> dict:
+    """A multi-node launch counts ranks from its --node-rank (run_protocol.global_rank), not from
+    torchrun's order of the nodes, so that rank 0, which writes the checkpoints, stays on node 0 across
+    restarts. The store is the one torchrun's RANK 0 hosts, fresh each attempt (the launcher turns
+    off the agent's shared store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE, docs/distributed.md); on a torch
+    that still hands out the agent's store, this attempt's keys get a prefix of their own."""
+    if NODE_RANK_ENV not in os.environ:
+        return {}
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store: dist.Store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        topo.world_size,
+        is_master=not shared and os.environ.get("RANK") == "0",
+        timeout=timeout,
+    )
+    if shared:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        store = dist.PrefixStore(f"flashdraft/attempt-{attempt}/", store)
+    # two nodes launched with the same --node-rank would wait for each other until the timeout
+    if store.add(f"flashdraft/rank-taken/{topo.rank}", 1) > 1:
+        raise FlashdraftError(
+            f"rank {topo.rank} is taken twice: two nodes were launched with --node-rank "
+            f"{os.environ[NODE_RANK_ENV]}; give each node its own, 0 .. nnodes-1"
+        )
+    return {"store": store, "rank": topo.rank, "world_size": topo.world_size}
 
 
 def _restart_store(topo: Topology, timeout: datetime.timedelta) -> dict:

@@ -186,14 +186,23 @@ def _first_error_file(run_dir: Path, tail: list[str]) -> tuple[int, dict] | None
     return rank, data
 
 
+def lowest_rank(run_dir: str | Path) -> int:
+    """The rank that speaks for this run directory: 0, or on another node of a multi-node run (whose
+    directory holds only its own ranks) the lowest there."""
+    ranks = [int(p.name[4:]) for p in Path(run_dir).glob("rank*") if p.name[4:].isdigit()]
+    return min(ranks, default=0)
+
+
 def final_record(run_dir: str | Path, tail: list[str] | None = None) -> dict | None:
-    """Rank 0's final.json, or its record line in the log when the file could not be written."""
+    """Rank 0's final.json (a node without rank 0: its lowest rank's), or its record line in the log when
+    the file could not be written."""
     run_dir = Path(run_dir)
-    final = read_json(run_dir / "rank0" / "final.json")
+    rank = lowest_rank(run_dir)
+    final = read_json(run_dir / f"rank{rank}" / "final.json")
     if final is not None:
         return final
     records = records_from_log(log_tail(run_dir) if tail is None else tail, "final.json")
-    records = [r for r in records if int(r.get("rank") or 0) == 0]
+    records = [r for r in records if int(r.get("rank") or 0) == rank]
     return records[-1] if records else None
 
 
@@ -225,7 +234,7 @@ def diagnose_exit(
             )
         return Diagnosis("finished", f"finished at step {final.get('step')}", [])
     if signal_name is not None:
-        step = (read_json(run_dir / "rank0" / "heartbeat.json") or {}).get("step")
+        step = (read_json(run_dir / f"rank{lowest_rank(run_dir)}" / "heartbeat.json") or {}).get("step")
         at = f" at step {step}" if step is not None else ""
         return Diagnosis(
             "killed", f"killed by {signal_name}{at}{SIGNAL_HINTS.get(signal_name, '')}", tail[-3:]

@@ -14,7 +14,9 @@ config with train.resume=auto, the same log (appended), a new supervisor.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -31,7 +33,7 @@ from flashdraft.provenance import git_commit
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
 from flashdraft.run.monitor import find_run, is_live, list_runs, run_state, runs_root
 from flashdraft.run.processes import start_time
-from flashdraft.run_protocol import FINAL_STATES, boot_id, read_json, write_json, write_record
+from flashdraft.run_protocol import FINAL_STATES, NODE_RANK_ENV, boot_id, read_json, write_json, write_record
 
 ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
@@ -94,36 +96,74 @@ def _fail(run_dir: Path, log, message: str, kind: str | None = None) -> dict[str
     return run_state(run_dir)
 
 
+# Seconds a multi-node run's rendezvous waits for every node: at start, and after a lost node, for it to
+# come back (torchrun's join_timeout); then the run stops, saying so (docs/distributed.md).
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+DEFAULT_RDZV_ID = "flashdraft"
+
+
 @dataclass(frozen=True)
 class Nodes:
-    """Where this node stands in a multi-node run: torchrun's static rendezvous (docs/distributed.md)."""
+    """Where this node stands in a multi-node run: torchrun's elastic c10d rendezvous, hosted by node 0's
+    agent, which every node's agent rejoins after a restart (docs/distributed.md, "Several nodes")."""
 
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # HOST:PORT of node 0, reachable from every node
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT_S
+    rdzv_id: str = DEFAULT_RDZV_ID
 
     def torchrun_args(self) -> list[str]:
         if self.nnodes == 1:
             return ["--standalone"]
-        host, port = self.rdzv_endpoint.rsplit(":", 1)
+        # A fixed number of nodes (min = max): a lost node is waited for, not trained without. Node 0's
+        # agent hosts the rendezvous store (is_host), whichever agent starts first. --node-rank is not
+        # torchrun's here (the c10d rendezvous orders nodes its own way): the job counts its ranks from
+        # it (run_protocol.global_rank).
         return [
             f"--nnodes={self.nnodes}",
-            f"--node-rank={self.node_rank}",
-            f"--master-addr={host.strip('[]')}",
-            f"--master-port={port}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.rdzv_endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+            f"--rdzv-conf=is_host={int(self.node_rank == 0)},join_timeout={self.join_timeout:g}",
         ]
 
+    def job_env(self) -> dict[str, str]:
+        """What the job of a multi-node launch needs in its environment (none for one node)."""
+        if self.nnodes == 1:
+            return {}
+        # the store the ranks meet in is then a fresh one per attempt, hosted by torchrun's rank 0 (the
+        # agent's shared one would keep the keys of an attempt before: distributed/topology.py)
+        return {NODE_RANK_ENV: str(self.node_rank), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-def check_nodes(nproc_per_node: int, nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> Nodes:
+
+def check_nodes(
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    join_timeout: float | None = None,
+    rdzv_id: str | None = None,
+) -> Nodes:
     """The launch flags of a (multi-node) run, checked before anything is created; errors name the flag."""
     if nproc_per_node < 1:
         raise FlashdraftError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
     if nnodes < 1:
         raise FlashdraftError(f"--nnodes must be at least 1, got {nnodes}")
     if nnodes == 1:
-        if node_rank not in (None, 0) or rdzv_endpoint is not None:
+        given = [
+            flag
+            for flag, value in (
+                ("--node-rank", node_rank not in (None, 0)),
+                ("--rdzv-endpoint", rdzv_endpoint is not None),
+                ("--join-timeout", join_timeout is not None),
+                ("--rdzv-id", rdzv_id is not None),
+            )
+            if value
+        ]
+        if given:
             raise FlashdraftError(
-                "--node-rank and --rdzv-endpoint are for multi-node runs: give --nnodes N (N > 1) as well"
+                f"{' and '.join(given)}: only for multi-node runs; give --nnodes N (N > 1) as well"
             )
         return Nodes()
     if node_rank is None or not 0 <= node_rank < nnodes:
@@ -138,7 +178,17 @@ def check_nodes(nproc_per_node: int, nnodes: int, node_rank: int | None, rdzv_en
         raise FlashdraftError(
             f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT with a port from 1 to 65535, e.g. node0:29500"
         )
-    return Nodes(nnodes, node_rank, rdzv_endpoint)
+    if join_timeout is not None and not join_timeout > 0:
+        raise FlashdraftError(f"--join-timeout must be more than 0 seconds, got {join_timeout:g}")
+    if rdzv_id is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", rdzv_id):
+        raise FlashdraftError(f"--rdzv-id {rdzv_id!r}: letters, digits, '_', '.' and '-' only")
+    return Nodes(
+        nnodes,
+        node_rank,
+        rdzv_endpoint,
+        DEFAULT_JOIN_TIMEOUT_S if join_timeout is None else float(join_timeout),
+        rdzv_id or DEFAULT_RDZV_ID,
+    )
 
 
 # Restarts of the worker group a multi-process run gets unless --max-restarts says otherwise.
@@ -288,11 +338,12 @@ def launch(
         "stall_seconds": stall_seconds,
         "max_restarts": max_restarts,
         "nproc_per_node": nproc_per_node,
-        "nodes": {"nnodes": nodes.nnodes, "node_rank": nodes.node_rank, "rdzv_endpoint": nodes.rdzv_endpoint},
+        "nodes": dataclasses.asdict(nodes),
         "env": {
             **{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
             **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
             **env,
+            **nodes.job_env(),
         },
     }
     if resume:

@@ -158,7 +158,8 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             for r, hb in heartbeats.items()
         },
     }
-    hb0 = heartbeats.get(0, {})
+    # rank 0's beat; on a node of a multi-node run without rank 0, its lowest rank's
+    hb0 = heartbeats[min(heartbeats)] if heartbeats else {}
     for key in (
         "step",
         "total_steps",
@@ -240,6 +241,8 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             state = "starting"
     info["state"] = state
     info["diagnosis"] = diagnosis
+    if state in FINAL_STATES and status.get("diagnosis_kind"):
+        info["diagnosis_kind"] = status["diagnosis_kind"]
     live = state not in (*FINAL_STATES, "lost")
     if live and hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
         info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])  # none once it ended

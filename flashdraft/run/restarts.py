@@ -32,6 +32,12 @@ from flashdraft.run_protocol import read_heartbeats, read_json
 # torchrun's line for the first worker of an attempt that failed (torch.distributed.elastic.multiprocessing)
 FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+# A rank's error when a peer's process or node is gone (gloo; NCCL), the peer's address in group 1 if given.
+PEER_LOST = re.compile(
+    r"Connection closed by peer (\S+)|Connection reset by peer|remote process exited|NCCL communicator was aborted"
+)
+# torchrun's agent, when the nodes did not all join its rendezvous within join_timeout.
+RENDEZVOUS_TIMEOUT = "RendezvousTimeoutError"
 # After asking hung ranks for their stacks, the seconds they get to write them before they are killed.
 STACK_DUMP_GRACE_S = 5.0
 
@@ -40,13 +46,16 @@ STACK_DUMP_GRACE_S = 5.0
 class Failure:
     """Why one attempt of the job ended."""
 
-    kind: str  # rank_killed, exception, rank_failed, hang
+    kind: str  # rank_killed, exception, rank_failed, hang, peer_lost
     rank: int | None
     cause: str  # one line for people
     step: int | None  # the furthest step the attempt reached
     same_as: str  # two failures with this key at the same step are the same failure
 
     def repeats(self, other: Failure | None) -> bool:
+        # a peer lost on another node says nothing of this node's data or code: that node judges it
+        if self.kind == "peer_lost":
+            return False
         return other is not None and self.same_as == other.same_as and self.step == other.step
 
 
@@ -147,6 +156,19 @@ class RestartWatch:
             )
         if errors:
             _, rank, data = errors[0]
+            lost = PEER_LOST.search(str(data.get("message") or ""))
+            if lost is not None and self._nnodes() > 1:
+                # the rank that died is on another node: that node's own supervisor names it
+                peer = f" ({lost.group(1)})" if lost.group(1) else ""
+                at = f" at step {step}" if step is not None else ""
+                return Failure(
+                    "peer_lost",
+                    rank,
+                    f"rank {rank} lost its connection to a peer on another node{peer}{at}: a rank there died "
+                    "or its node was lost (that node's log names it)",
+                    step,
+                    "peer_lost",
+                )
             diagnosis = _from_error_file(data, rank)
             same = f"{data.get('type')}:{data.get('message')}:{rank}"
             return Failure("exception", rank, diagnosis.line, step, same)
@@ -155,6 +177,23 @@ class RestartWatch:
             line = f"rank {rank} exited with code {first.group(1)}"
             return Failure("rank_failed", rank, line, step, f"exit:{first.group(1)}:{rank}")
         return Failure("unknown", None, "the worker group failed (no rank named in the log)", step, "unknown")
+
+    def _nnodes(self) -> int:
+        return int(((read_json(self.run_dir / "launch.json") or {}).get("nodes") or {}).get("nnodes") or 1)
+
+    def rendezvous_timed_out(self) -> str | None:
+        """When torchrun's agent stopped because the other nodes did not all (re)join its rendezvous within
+        --join-timeout: the line to end the run with, naming the failure that made it wait."""
+        if not any(RENDEZVOUS_TIMEOUT in line for line in self._log_since_attempt()):
+            return None
+        nodes = (read_json(self.run_dir / "launch.json") or {}).get("nodes") or {}
+        timeout = float(nodes.get("join_timeout") or 600)
+        failure = self.failure_of_attempt()
+        return (
+            f"a node did not come back within --join-timeout {timeout:g} s: the rendezvous at "
+            f"{nodes.get('rdzv_endpoint')} waited for all {nodes.get('nnodes')} nodes after {failure.cause}; "
+            "start the lost node again (flashdraft launch --resume RUN on it) or resume every node"
+        )
 
     def _global_rank(self, local_rank: int) -> int:
         launch = read_json(self.run_dir / "launch.json") or {}

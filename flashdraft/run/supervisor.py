@@ -235,8 +235,12 @@ def _supervise(run_dir: Path, log) -> int:
     (run_dir / RESERVE_NAME).unlink(missing_ok=True)  # room for what follows, on a disk the job filled
     forced = (read_json(run_dir / "status.json") or status).get("forced_stop")
     diagnosis = diagnose_exit(run_dir, returncode if returncode >= 0 else None, sig, forced_stop=forced)
+    lost_node = watch.rendezvous_timed_out() if watch is not None and returncode != 0 else None
     if give_up:
         diagnosis.kind, diagnosis.line = "repeated_failure", give_up
+        diagnosis.evidence = [restart_line(r) for r in watch.restarts[-2:]]
+    elif lost_node:  # a multi-node run whose lost node was waited for, up to --join-timeout
+        diagnosis.kind, diagnosis.line = "node_lost", lost_node
         diagnosis.evidence = [restart_line(r) for r in watch.restarts[-2:]]
     elif watch is not None and watch.restarts and returncode != 0:
         diagnosis.line += (

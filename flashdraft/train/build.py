@@ -38,6 +38,7 @@ from flashdraft.train.inputs import TrainingData, load_training_data
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.objective import Objective
 from flashdraft.train.resume import check_resume_config
+from flashdraft.train.resume_transfer import share_resume_point
 
 
 def say_on_main(topo: Topology, line: str) -> None:
@@ -109,6 +110,8 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
             say(f"removed an incomplete checkpoint left by an earlier run: {partial_dir}")
     # Before any long work or write: a bad resume setting or a damaged checkpoint fails fast.
     resume_from = find_resume(config.train.resume, out_dir, log=say, set_aside=topo.is_main and not serves)
+    # every rank continues rank 0's checkpoint, received from it on a node that lacks it
+    resume_from = share_resume_point(resume_from, out_dir, log=say)
     startup.mark("setup")
 
     target_config = load_target_config(config.model.target)

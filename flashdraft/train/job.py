@@ -17,7 +17,7 @@ import traceback
 
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
-from flashdraft.run_protocol import RESTART_COUNT_ENV, RUN_DIR_ENV, Heartbeat
+from flashdraft.run_protocol import RESTART_COUNT_ENV, RUN_DIR_ENV, Heartbeat, global_rank
 
 
 def _install_thread_hook(heartbeat: Heartbeat) -> None:
@@ -42,7 +42,7 @@ def _skipped(heartbeat: Heartbeat) -> dict[str, int]:
 
 
 def run_job(path: str | None, overrides: list[str]) -> dict:
-    heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV), rank=int(os.environ.get("RANK", "0")))
+    heartbeat = Heartbeat(os.environ.get(RUN_DIR_ENV), rank=global_rank())
     faulthandler.enable(file=sys.stderr, all_threads=True)
     # The supervisor asks a stalled job for its stacks with SIGUSR1 (docs/run-files.md, "Stalls"): written
     # by faulthandler from the signal handler itself, so also when the main thread holds the GIL.

@@ -106,3 +106,35 @@ def test_the_phase_timer_wraps_the_objectives_own_calls_and_restores_them(qwen3_
     spans = len(opened)
     objective(batch)  # the restored objective runs untimed
     assert len(opened) == spans
+
+
+@pytest.mark.slow
+def test_checkpoint_every_reports_a_checkpointing_step_against_a_plain_one(tmp_path, qwen3_target):
+    """`bench train --checkpoint-every K` on the CPU (the real trainer and its background writer, one
+    process under torchrun, a tiny target): the step time with and without a save, and each write."""
+    out = tmp_path / "ck.json"
+    code = train_bench.main(
+        [
+            *("--nproc-per-node", "1", "--target-dir", qwen3_target, "--mask-token-id", "300"),
+            *("--shape", "tiny", "--drafter-layers", "1", "--steps", "6", "--warmup", "1"),
+            *("--checkpoint-every", "2", "--workdir", str(tmp_path / "work"), "--out", str(out)),
+        ]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())["checkpoint"]
+    assert report["every"] == 2 and report["checkpoint_steps_measured"] == 3  # saves at 2, 4, 6 (of 7)
+    assert [w["step"] for w in report["writes"]] == [2, 4, 6, 7]  # and the last step's
+    for key in ("plain_step_seconds_median", "checkpoint_step_seconds_median", "write_seconds_median"):
+        assert report[key] > 0, (key, report)
+    extra = report["checkpoint_step_seconds_median"] - report["plain_step_seconds_median"]
+    assert report["checkpoint_step_extra_seconds"] == pytest.approx(extra, abs=1e-3)
+    assert report["bytes"] > 0 and all(w["copy_s"] >= 0 for w in report["writes"])
+
+
+def test_checkpoint_report_names_what_it_lacks():
+    with pytest.raises(FlashdraftError, match="--checkpoint-every 5: no checkpointing step was measured"):
+        train_bench.checkpoint_report([], {2: 0.1}, [], 5)
+    line = "checkpoint step 4: 12.5 MB written in 1.25 s in the background (the step paid 0.50 s for the copy) -> x"
+    report = train_bench.checkpoint_report([line], {2: 0.1, 3: 0.3}, [0.9], 4)
+    assert report["writes"] == [{"step": 4, "bytes": 12_500_000, "write_s": 1.25, "copy_s": 0.5}]
+    assert report["plain_step_seconds_median"] == 0.2 and report["checkpoint_step_extra_seconds"] == 0.7
