@@ -108,9 +108,9 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path):
     """2,000 seeded runs at T=1 over a 24-token vocabulary: the 2nd and 3rd generated tokens (which pass
     through drafting, rejection and bonus sampling) match the target's exact marginals (TV < 0.06; the
     sampling noise of 2,000 draws over 24 outcomes is about 0.03)."""
-    from flashdraft.bench.tiny import save_tiny_target
     from flashdraft.model.drafter import DFlashDraftModel
     from flashdraft.model.drafter_dir import make_drafter_config
+    from flashdraft.model.tiny import save_tiny_target
 
     target_dir = save_tiny_target(
         tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3
