@@ -26,14 +26,14 @@ import torch
 from flashdraft.bench.provenance import provenance
 from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
 from flashdraft.data.tokens import TokenBatch
-from flashdraft.distributed.parallelize import parallelize
+from flashdraft.distributed.parallelize import Placement, parallelize
 from flashdraft.durable import atomic_directory, atomic_write_json, free_bytes
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
-from flashdraft.train.flops import step_flops
+from flashdraft.train.flops import StepFlops, step_flops
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.metrics import read_metrics
 from flashdraft.train.objective import Objective
@@ -96,37 +96,12 @@ def run_shape(
     loss_chunk: int = 1024,
     master_weights: bool = True,
 ) -> dict:
+    """One shape's drafter step, timed: `warmup` steps (compiling), then `steps` measured ones; returns the
+    shape's record (times, FLOPs, MFU, memory, the per-phase breakdown)."""
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
-    config = make_drafter_config(
-        target.config,
-        num_layers=num_layers,
-        block_size=16,
-        mask_token_id=mask_token_id,
-        target_layer_ids=target.layer_ids,
-    )
-    with torch.device("cuda"):
-        drafter = DFlashDraftModel(config)
-    drafter.init_weights()
-    placement = parallelize(
-        drafter,
-        device=torch.device("cuda"),
-        attention="flex" if compile else "sdpa",
-        compile=compile,
-        master_weights=master_weights,
-    )
-    loss_fn = WeightedHeadLoss(chunk=loss_chunk, compile=placement.compiled)
-    objective = Objective(
-        drafter,
-        target,
-        num_anchors=shape["anchors"],
-        gamma=7.0,
-        loss=loss_fn,
-        attention=placement.attention,
-        autocast_dtype=placement.autocast_dtype,
-    )
-    optimizer = make_optimizer(
-        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
+    config, drafter, placement, objective, optimizer = build_step(
+        target, shape, mask_token_id, num_layers, compile, loss_chunk, master_weights
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timer = Timer()
@@ -161,8 +136,71 @@ def run_shape(
             )
     times = timer.medians()
     breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")))
-    f = flops[0]
-    tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
+    return shape_record(
+        name, compile, master_weights, loss_chunk, placement, drafter, times, flops[0], compile_s, breakdown
+    )
+
+
+def build_step(
+    target: TargetModel,
+    shape: dict,
+    mask_token_id: int,
+    num_layers: int,
+    compile: bool,
+    loss_chunk: int,
+    master_weights: bool,
+) -> tuple[object, DFlashDraftModel, Placement, Objective, object]:
+    """The drafter of one shape placed the way the trainer places it, its objective and optimizer:
+    (drafter config, drafter, placement, objective, optimizer)."""
+    config = make_drafter_config(
+        target.config,
+        num_layers=num_layers,
+        block_size=16,
+        mask_token_id=mask_token_id,
+        target_layer_ids=target.layer_ids,
+    )
+    with torch.device("cuda"):
+        drafter = DFlashDraftModel(config)
+    drafter.init_weights()
+    placement = parallelize(
+        drafter,
+        device=torch.device("cuda"),
+        attention="flex" if compile else "sdpa",
+        compile=compile,
+        master_weights=master_weights,
+    )
+    loss_fn = WeightedHeadLoss(chunk=loss_chunk, compile=placement.compiled)
+    objective = Objective(
+        drafter,
+        target,
+        num_anchors=shape["anchors"],
+        gamma=7.0,
+        loss=loss_fn,
+        attention=placement.attention,
+        autocast_dtype=placement.autocast_dtype,
+    )
+    optimizer = make_optimizer(
+        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
+    )
+    return config, drafter, placement, objective, optimizer
+
+
+def shape_record(
+    name: str,
+    compile: bool,
+    master_weights: bool,
+    loss_chunk: int,
+    placement: Placement,
+    drafter: DFlashDraftModel,
+    times: dict[str, float],
+    flops: StepFlops,
+    compile_s: float,
+    breakdown: dict,
+) -> dict:
+    """One shape's result: median milliseconds, FLOPs per step (`flops`, the first measured step's), achieved
+    TFLOP/s and MFU, end-to-end samples/s, peak memory, the warm-up (compile) time, the breakdown."""
+    shape = SHAPES[name]
+    tflops = flops.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
     return {
         "shape": name,
@@ -174,11 +212,11 @@ def run_shape(
         "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
         "target_ms": round(times["target_ms"], 2),
         "drafter_step_ms": round(times["drafter_step_ms"], 2),
-        "drafter_tflop_per_step": round(f.total / 1e12, 2),
+        "drafter_tflop_per_step": round(flops.total / 1e12, 2),
         "drafter_tflop_breakdown": {
-            "linear": round(f.linear / 1e12, 2),
-            "lm_head": round(f.head / 1e12, 2),
-            "attention": round(f.attention / 1e12, 2),
+            "linear": round(flops.linear / 1e12, 2),
+            "lm_head": round(flops.head / 1e12, 2),
+            "attention": round(flops.attention / 1e12, 2),
         },
         "drafter_tflops_achieved": round(tflops, 1),
         "mfu_vs_datasheet_989": round(tflops / DATASHEET_TFLOPS, 3),
@@ -346,11 +384,65 @@ def torchrun_bench(argv: list[str]) -> int:
     (docs/distributed.md) on a random target of a real model's shape saved once to --workdir and random
     token data of the chosen shape; reports samples/s per GPU and, for a split topology, each side's
     busy and waiting shares (the trainer's balance report)."""
-    import itertools
     import os
     import subprocess
     import sys
 
+    args = torchrun_parser().parse_args(argv)
+    if args.target_parallel < 1 or args.nproc_per_node % args.target_parallel:
+        raise FlashdraftError(
+            f"--target-parallel {args.target_parallel} must divide --nproc-per-node {args.nproc_per_node}"
+        )
+    if args.target_parallel > 1 and args.mode != "colocated":
+        raise FlashdraftError(
+            "--target-parallel above 1 needs --mode colocated (split + tensor parallel: not yet)"
+        )
+    shape = SHAPES[args.shape]
+    work = Path(args.workdir)
+    target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
+    if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
+        save_random_target(target_dir, args.target, args.target_layers)
+    trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
+    steps = args.steps + args.warmup
+    data = work / f"data-{args.shape}.jsonl"
+    # exactly the samples the run draws: one epoch
+    write_random_samples(
+        data, steps * shape["batch"] * trainers, TARGETS[args.target]["vocab_size"], shape["seq"]
+    )
+    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
+    if run.exists():
+        import shutil
+
+        shutil.rmtree(run)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}",
+    ]
+    overrides = torchrun_overrides(args, target_dir, data, run, steps)
+    cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
+    print(" ".join(map(str, cmd)), flush=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
+    # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
+    rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
+    if rows is None:
+        print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
+        return code or 1
+    result = torchrun_result(args, argv, rows, trainers)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        atomic_write_json(args.out, result, indent=2)
+    code = proc.wait()
+    if code != 0:
+        print(f"flashdraft bench train: the run failed after its last step (exit {code}); the result stands")
+    return code
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """The flags of `flashdraft bench train --nproc-per-node N`."""
     parser = argparse.ArgumentParser(prog="flashdraft bench train --nproc-per-node N")
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--mode", choices=["colocated", "split"], default="colocated")
@@ -371,31 +463,22 @@ def torchrun_bench(argv: list[str]) -> int:
     parser.add_argument("--target-layers", type=int, default=None)
     parser.add_argument("--workdir", default="bench-train-work", help="the saved random target and the runs")
     parser.add_argument("--out", default=None, help="write results JSON here")
-    args = parser.parse_args(argv)
-    if args.target_parallel < 1 or args.nproc_per_node % args.target_parallel:
-        raise FlashdraftError(
-            f"--target-parallel {args.target_parallel} must divide --nproc-per-node {args.nproc_per_node}"
-        )
-    if args.target_parallel > 1 and args.mode != "colocated":
-        raise FlashdraftError(
-            "--target-parallel above 1 needs --mode colocated (split + tensor parallel: not yet)"
-        )
-    shape = SHAPES[args.shape]
-    work = Path(args.workdir)
-    target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
-    if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
-        save_random_target(target_dir, args.target, args.target_layers)
-    trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
-    steps = args.steps + args.warmup
-    data = work / f"data-{args.shape}.jsonl"
-    vocab = TARGETS[args.target]["vocab_size"]
+    return parser
+
+
+def write_random_samples(path: Path, count: int, vocab: int, seq: int) -> None:
+    """`count` random samples of `seq` tokens (seeded), a 64-token prompt each and the rest supervised."""
     g = torch.Generator().manual_seed(0)
-    with data.open("w") as f:  # exactly the samples the run draws: one epoch
-        for _ in range(steps * shape["batch"] * trainers):
-            ids = torch.randint(0, vocab - 300, (shape["seq"],), generator=g).tolist()
-            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (shape["seq"] - 64)}) + "\n")
-    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
-    overrides = {
+    with path.open("w") as f:
+        for _ in range(count):
+            ids = torch.randint(0, vocab - 300, (seq,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 64 + [1] * (seq - 64)}) + "\n")
+
+
+def torchrun_overrides(args: argparse.Namespace, target_dir: Path, data: Path, run: Path, steps: int) -> dict:
+    """The training config of the benchmarked run, as `flashdraft train` overrides."""
+    shape = SHAPES[args.shape]
+    return {
         "model.target": target_dir,
         "model.num_layers": args.drafter_layers,
         "model.block_size": 16,
@@ -416,26 +499,14 @@ def torchrun_bench(argv: list[str]) -> int:
         "distributed.bucket_mb": args.bucket_mb,
         "distributed.target_parallel": args.target_parallel,
     }
-    if run.exists():
-        import shutil
 
-        shutil.rmtree(run)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc_per_node}",
-    ]
-    cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
-    print(" ".join(map(str, cmd)), flush=True)
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
-    # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
-    rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
-    if rows is None:
-        print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
-        return code or 1
+
+def torchrun_result(args: argparse.Namespace, argv: list[str], rows: list[dict], trainers: int) -> dict:
+    """The result JSON from the run's step rows: median step time and samples/s over the steps after
+    --warmup, drafter TFLOP/s, and for a split topology each side's waiting share."""
+    import itertools
+
+    shape = SHAPES[args.shape]
     seconds = [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup]
     step_s = statistics.median(seconds)
     samples_per_s = shape["batch"] * trainers / step_s
@@ -463,13 +534,7 @@ def torchrun_bench(argv: list[str]) -> int:
             )
         splits = [r["balance/balanced_split"] for r in measured if r.get("balance/balanced_split")]
         result["balanced_split"] = splits[-1] if splits else None
-    print(json.dumps(result, indent=1))
-    if args.out:
-        atomic_write_json(args.out, result, indent=2)
-    code = proc.wait()
-    if code != 0:
-        print(f"flashdraft bench train: the run failed after its last step (exit {code}); the result stands")
-    return code
+    return result
 
 
 def last_step_rows(

@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.config import Sampling, load_config
+from flashdraft.config import Config, Sampling, load_config
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
@@ -298,6 +298,8 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
 
 
 def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, real: bool = False) -> dict:
+    """Steps 1 to 5 of the module's docstring under `out`; returns the train and held-out rows, the
+    decoding report and what the target learned."""
     console = Console()
     out = Path(out)
     check_writable_dir(out, "--out")
@@ -313,7 +315,60 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
         steps = steps or DEFAULT_STEPS
         plan = tiny_plan(out, console)
 
-    config = load_config(
+    config = drafter_config(plan, out, steps)
+    shutil.rmtree(
+        out / "run", ignore_errors=True
+    )  # each quickstart trains afresh; the run directory is its own
+    console.print(
+        f"[bold]3.[/] training a {plan.drafter_layers}-layer drafter (block {plan.block_size}) for {steps} "
+        f"steps on the {plan.device.upper()}"
+    )
+    result = train(config)
+
+    records = read_metrics(out / "run" / "metrics.jsonl")
+    train_rows = [r for r in records if r["kind"] == "train"]
+    eval_rows = [r for r in records if r["kind"] == "eval"]
+    console.print(learned_table(train_rows, eval_rows))
+
+    console.print(
+        f"[bold]4.[/] speculative decoding with the best drafter on the held-out prompts "
+        f"({plan.device.upper()}, greedy, timed against plain decoding of the same target)"
+    )
+    report = run_eval(
+        str(plan.target_dir),
+        str(out / "run" / "best"),
+        str(plan.prompts_file),
+        EvalSettings(sampling=Sampling(max_new_tokens=plan.max_new_tokens), check_lossless=True),
+        device=plan.device,
+        out=str(out / "eval.json"),
+        plot_path=str(out / "eval.png"),
+        console=console,
+    )
+    console.print(summary_table(plan, eval_rows, report))
+    if "sample" in plan.facts:
+        prompt, answer = plan.facts["sample"]
+        console.print("a held-out prompt and the target's greedy answer:", highlight=False)
+        console.print(f"[dim]{_escape(prompt)}[/][bold]{_escape(answer)}[/]", highlight=False)
+    console.print(
+        f"[bold]5.[/] done in {time.time() - started:.0f} s. Target: {plan.target_dir}; checkpoints: "
+        f"{out / 'run' / 'checkpoints'}; best drafter by simulated τ: {out / 'run' / 'best'}; metrics: "
+        f"{out / 'run' / 'metrics.jsonl'}; TensorBoard: {out / 'run' / 'tensorboard'}; decoding report: "
+        f"{out / 'eval.json'} and {out / 'eval.png'}"
+    )
+    return {
+        "train": train_rows,
+        "eval": eval_rows,
+        "decode": report,
+        "target": {k: v for k, v in plan.facts.items() if k != "sample"},
+        "seconds": time.time() - started,
+        **result,
+    }
+
+
+def drafter_config(plan: Plan, out: Path, steps: int) -> Config:
+    """The training config of step 3: the plan's drafter and data, `steps` steps, evaluated
+    `plan.eval_points` times, one checkpoint at the end, trained afresh under out/run."""
+    return load_config(
         None,
         [
             f"model.target={plan.target_dir}",
@@ -336,18 +391,10 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
             f"train.device={plan.device}",
         ],
     )
-    shutil.rmtree(
-        out / "run", ignore_errors=True
-    )  # each quickstart trains afresh; the run directory is its own
-    console.print(
-        f"[bold]3.[/] training a {plan.drafter_layers}-layer drafter (block {plan.block_size}) for {steps} "
-        f"steps on the {plan.device.upper()}"
-    )
-    result = train(config)
 
-    records = read_metrics(out / "run" / "metrics.jsonl")
-    train_rows = [r for r in records if r["kind"] == "train"]
-    eval_rows = [r for r in records if r["kind"] == "eval"]
+
+def learned_table(train_rows: list[dict], eval_rows: list[dict]) -> Table:
+    """What the drafter learned: the first and last logged train and held-out numbers."""
     table = Table(title="quickstart: what the drafter learned")
     table.add_column("")
     table.add_column("first log", justify="right")
@@ -356,22 +403,11 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
         table.add_row(f"train {key}", f"{train_rows[0][key]:.3f}", f"{train_rows[-1][key]:.3f}")
     for key in ("loss", "acc@1", "tau"):
         table.add_row(f"held-out {key}", f"{eval_rows[0][key]:.3f}", f"{eval_rows[-1][key]:.3f}")
-    console.print(table)
+    return table
 
-    console.print(
-        f"[bold]4.[/] speculative decoding with the best drafter on the held-out prompts "
-        f"({plan.device.upper()}, greedy, timed against plain decoding of the same target)"
-    )
-    report = run_eval(
-        str(plan.target_dir),
-        str(out / "run" / "best"),
-        str(plan.prompts_file),
-        EvalSettings(sampling=Sampling(max_new_tokens=plan.max_new_tokens), check_lossless=True),
-        device=plan.device,
-        out=str(out / "eval.json"),
-        plot_path=str(out / "eval.png"),
-        console=console,
-    )
+
+def summary_table(plan: Plan, eval_rows: list[dict], report: dict) -> Table:
+    """What the target learned, simulated and real τ, the speedup and the lossless check."""
     summary = Table(title=f"quickstart summary: {plan.description}")
     summary.add_column("")
     summary.add_column("value", justify="right")
@@ -386,25 +422,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
         "lossless (identical / ties / diverged)",
         f"{lossless['identical']} / {len(lossless['numerical_ties'])} / {len(lossless['diverged'])}",
     )
-    console.print(summary)
-    if "sample" in plan.facts:
-        prompt, answer = plan.facts["sample"]
-        console.print("a held-out prompt and the target's greedy answer:", highlight=False)
-        console.print(f"[dim]{_escape(prompt)}[/][bold]{_escape(answer)}[/]", highlight=False)
-    console.print(
-        f"[bold]5.[/] done in {time.time() - started:.0f} s. Target: {plan.target_dir}; checkpoints: "
-        f"{out / 'run' / 'checkpoints'}; best drafter by simulated τ: {out / 'run' / 'best'}; metrics: "
-        f"{out / 'run' / 'metrics.jsonl'}; TensorBoard: {out / 'run' / 'tensorboard'}; decoding report: "
-        f"{out / 'eval.json'} and {out / 'eval.png'}"
-    )
-    return {
-        "train": train_rows,
-        "eval": eval_rows,
-        "decode": report,
-        "target": {k: v for k, v in plan.facts.items() if k != "sample"},
-        "seconds": time.time() - started,
-        **result,
-    }
+    return summary
 
 
 def _escape(text: str) -> str:
