@@ -31,7 +31,7 @@ import numpy as np
 
 from flashdraft.config import DEFAULT_NUM_LAYERS
 from flashdraft.durable import atomic_write_json
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 
 VOCAB = 151_936  # Qwen3's
 

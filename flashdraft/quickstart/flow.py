@@ -29,7 +29,7 @@ from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.outputs import check_writable_dir
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 from flashdraft.train.trainer import train
 
 DEFAULT_STEPS = 200
