@@ -736,9 +736,20 @@ def validate(config: Config) -> None:
     for key, value in _float_fields(config):  # nan and inf pass every comparison below unnoticed
         if not math.isfinite(value):
             raise FlashdraftError(f"config: {key} must be a finite number, got {value}")
-    m, d, t = config.model, config.data, config.train
-    block_size = m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE
     checks = [
+        *_model_checks(config.model, config.data),
+        *_train_checks(config.train),
+        *_distributed_checks(config.distributed),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise FlashdraftError(f"config: {message}")
+
+
+def _model_checks(m: ModelConfig, d: DataConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the drafter's shape, and of data.max_length against its block size."""
+    block_size = m.block_size if m.block_size is not None else DEFAULT_BLOCK_SIZE
+    return [
         (
             m.block_size is None or m.block_size >= 2,
             f"model.block_size must be at least 2, got {m.block_size}",
@@ -760,6 +771,25 @@ def validate(config: Config) -> None:
             or d.max_length >= 2 * block_size,  # with a drafter: checked once its block size is known
             f"data.max_length must be at least 2 * model.block_size ({2 * block_size}), got {d.max_length}",
         ),
+        (
+            m.arch is None or m.arch in ("dflash", "dflash2"),
+            f"model.arch must be dflash or dflash2, got {m.arch!r}",
+        ),
+        (
+            m.sliding_window is None or m.sliding_window >= 1,
+            f"model.sliding_window must be at least 1, got {m.sliding_window}",
+        ),
+        (
+            not m.drafter or (m.arch is None and m.layer_types is None and m.sliding_window is None),
+            f"model.arch, model.layer_types and model.sliding_window describe a new drafter; "
+            f"model.drafter={m.drafter} fixes them (drop them)",
+        ),
+    ]
+
+
+def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the training settings: length, optimizer, objective, device, cadence."""
+    return [
         (t.epochs >= 1, f"train.epochs must be at least 1, got {t.epochs}"),
         (t.max_steps >= 0, f"train.max_steps must be >= 0 (0: run all epochs), got {t.max_steps}"),
         (t.max_minutes >= 0, f"train.max_minutes must be >= 0 (0: no budget), got {t.max_minutes}"),
@@ -797,19 +827,6 @@ def validate(config: Config) -> None:
             f"train.selector_warmup_steps must be >= 0, got {t.selector_warmup_steps}",
         ),
         (t.selector_ramp_steps >= 0, f"train.selector_ramp_steps must be >= 0, got {t.selector_ramp_steps}"),
-        (
-            m.arch is None or m.arch in ("dflash", "dflash2"),
-            f"model.arch must be dflash or dflash2, got {m.arch!r}",
-        ),
-        (
-            m.sliding_window is None or m.sliding_window >= 1,
-            f"model.sliding_window must be at least 1, got {m.sliding_window}",
-        ),
-        (
-            not m.drafter or (m.arch is None and m.layer_types is None and m.sliding_window is None),
-            f"model.arch, model.layer_types and model.sliding_window describe a new drafter; "
-            f"model.drafter={m.drafter} fixes them (drop them)",
-        ),
         (t.seed >= 0, f"train.seed must be >= 0, got {t.seed}"),
         (
             bool(_DEVICE.match(t.device)),
@@ -839,40 +856,43 @@ def validate(config: Config) -> None:
         (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
         (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
         (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
+    ]
+
+
+def _distributed_checks(dist: DistributedConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of how the ranks share the work."""
+    return [
         (
-            config.distributed.data_parallel in ("auto", "ddp", "fsdp"),
-            f"distributed.data_parallel must be auto, ddp or fsdp, got {config.distributed.data_parallel!r}",
+            dist.data_parallel in ("auto", "ddp", "fsdp"),
+            f"distributed.data_parallel must be auto, ddp or fsdp, got {dist.data_parallel!r}",
         ),
         (
-            config.distributed.timeout_minutes > 0,
-            f"distributed.timeout_minutes must be positive, got {config.distributed.timeout_minutes}",
+            dist.timeout_minutes > 0,
+            f"distributed.timeout_minutes must be positive, got {dist.timeout_minutes}",
         ),
         (
-            0 < config.distributed.bucket_mb < math.inf,
-            f"distributed.bucket_mb must be a positive number of MB, got {config.distributed.bucket_mb}",
+            0 < dist.bucket_mb < math.inf,
+            f"distributed.bucket_mb must be a positive number of MB, got {dist.bucket_mb}",
         ),
         (
-            config.distributed.mode in ("colocated", "split"),
-            f"distributed.mode must be colocated or split, got {config.distributed.mode!r}",
+            dist.mode in ("colocated", "split"),
+            f"distributed.mode must be colocated or split, got {dist.mode!r}",
         ),
         (
-            config.distributed.max_in_flight >= 1,
-            f"distributed.max_in_flight must be at least 1, got {config.distributed.max_in_flight}",
+            dist.max_in_flight >= 1,
+            f"distributed.max_in_flight must be at least 1, got {dist.max_in_flight}",
         ),
         (
-            config.distributed.target_parallel >= 1,
-            f"distributed.target_parallel must be at least 1, got {config.distributed.target_parallel}",
+            dist.target_parallel >= 1,
+            f"distributed.target_parallel must be at least 1, got {dist.target_parallel}",
         ),
         (
-            config.distributed.target_parallel == 1 or config.distributed.mode == "colocated",
-            f"distributed.target_parallel={config.distributed.target_parallel} with distributed.mode="
-            f"{config.distributed.mode}: a tensor-parallel target runs in the colocated mode only (yet); set "
+            dist.target_parallel == 1 or dist.mode == "colocated",
+            f"distributed.target_parallel={dist.target_parallel} with distributed.mode="
+            f"{dist.mode}: a tensor-parallel target runs in the colocated mode only (yet); set "
             "distributed.target_parallel=1 or distributed.mode=colocated",
         ),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise FlashdraftError(f"config: {message}")
 
 
 def resolve_drafter_fields(config: Config, actual: dict[str, Any], source: str) -> Config:

@@ -7,6 +7,8 @@
     <run_dir>/rank<N>/heartbeat.json   written by the trainer: phase, step, loss, τ, throughput, memory
     <run_dir>/rank<N>/error.json       written by the trainer on an uncaught exception (torchrun style)
     <run_dir>/rank<N>/final.json       written by the trainer on every exit path it controls
+    <run_dir>/metrics.jsonl      written by the trainer: a row per logged step, evaluation and compile
+                                 report; read back by `eval`'s report, the quickstart and the benchmarks
 
 Both sides import this module and nothing of each other: `run/` never imports `train/`, so a broken
 trainer can still be diagnosed. Every write goes through `flashdraft.durable` (atomic, fsynced). A write
@@ -213,3 +215,21 @@ class Heartbeat:
                 "step": self.state.get("step"),
             },
         )
+
+
+def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (only those of `kind`, "train" or "eval", when given), also of one still
+    being written or cut short by a crash: a torn line is left out; a missing file has no rows."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and (kind is None or row.get("kind") == kind):
+            rows.append(row)
+    return rows

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flashdraft.bench.tiny import save_tiny_target
+from flashdraft.model.tiny import save_tiny_target
 
 # Tiny models: one intra-op thread is several times faster than two on the 2-core CI machine (thread
 # wake-up per op dominates), here and in every subprocess a test starts (they inherit the variable).

@@ -11,12 +11,12 @@ import shutil
 import pytest
 import torch
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import build_parser, main
 from flashdraft.config import describe, load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.locate import find_drafter
 from flashdraft.model.spec import build_target_layer_ids
+from flashdraft.model.tiny import save_tiny_target
 from flashdraft.train.checkpoint import DRAFTER_DIR, list_checkpoints
 
 TARGET_LAYERS = 8

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from flashdraft.bench import quickstart as qs
-from flashdraft.bench.tiny_lm import build_tokenizer, code_prompts, read_text, stdlib_files
 from flashdraft.cli import main
+from flashdraft.quickstart import flow as qs
+from flashdraft.quickstart.tiny_lm import build_tokenizer, code_prompts, read_text, stdlib_files
 
 
 def test_held_out_files_are_never_training_files():

@@ -31,7 +31,7 @@ import numpy as np
 
 from flashdraft.config import DEFAULT_NUM_LAYERS
 from flashdraft.durable import atomic_write_json
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 
 VOCAB = 151_936  # Qwen3's
 
@@ -153,7 +153,7 @@ def time_train(
     the compiles it waited for, graph by graph under `compiled`). torch's compile caches are
     `compile_cache` (inductor's and Triton's)."""
     if target is None:  # Qwen3's vocabulary (the set's ids), small layers: the data path dominates
-        from flashdraft.bench.tiny import save_tiny_target
+        from flashdraft.model.tiny import save_tiny_target
 
         # enough layers for the drafter's default feature layers (1 to L-3, one per drafter layer)
         layers = max(2, args.drafter_layers + 3)

@@ -189,6 +189,29 @@ def engine_timing(regeneration: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The prepare command and the plain-`generate` baseline timed on the same prompts (or, with
+    --make-inputs or --step-time, those instead); prints the result JSON."""
+    args = build_parser().parse_args(argv)
+    if args.make_inputs:
+        target, prompts_file = make_inputs(Path(args.make_inputs), args.num_prompts)
+        print(f"target {target}\nprompts {prompts_file}")
+        return 0
+    if args.step_time:
+        result = step_time_result(args, argv)
+    else:
+        if not args.target or not args.prompts:
+            raise FlashdraftError("flashdraft bench regen: --target and --prompts are required")
+        result = time_prepare(args, argv)
+        if not args.skip_baseline:
+            time_baseline(args, result)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        atomic_write_json(args.out, result, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of `flashdraft bench regen`."""
     parser = argparse.ArgumentParser(prog="flashdraft bench regen")
     parser.add_argument("--target", help="target model directory (with its tokenizer and chat template)")
     parser.add_argument("--prompts", help="conversations file (any `prepare` input; one-turn prompts)")
@@ -210,24 +233,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --step-time: also the kernels that take a step's device time, per attention (torch.profiler)",
     )
-    args = parser.parse_args(argv)
-    if args.make_inputs:
-        target, prompts_file = make_inputs(Path(args.make_inputs), args.num_prompts)
-        print(f"target {target}\nprompts {prompts_file}")
-        return 0
-    if args.step_time:
-        rows, columns = _rows_by_columns(args.step_time)
-        if not args.target:
-            raise FlashdraftError("flashdraft bench regen --step-time: --target is required")
-        result = {**provenance("regen", argv), "target": str(args.target)}
-        result["step_time"] = step_time(args.target, rows, columns, args.device, profile=args.profile)
-        print(json.dumps(result, indent=1))
-        if args.out:
-            atomic_write_json(args.out, result, indent=2)
-        return 0
-    if not args.target or not args.prompts:
-        raise FlashdraftError("flashdraft bench regen: --target and --prompts are required")
+    return parser
 
+
+def step_time_result(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """--step-time ROWSxCOLS: the static engine's decode step alone at that size."""
+    rows, columns = _rows_by_columns(args.step_time)
+    if not args.target:
+        raise FlashdraftError("flashdraft bench regen --step-time: --target is required")
+    result = {**provenance("regen", argv), "target": str(args.target)}
+    result["step_time"] = step_time(args.target, rows, columns, args.device, profile=args.profile)
+    return result
+
+
+def time_prepare(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """`flashdraft prepare --regenerate` run as its own process on the prompts, timed end to end, with
+    the tokens it generated and its own record of where the time went."""
     sampling = Sampling(max_new_tokens=args.max_new_tokens)
     with tempfile.TemporaryDirectory(prefix="flashdraft-bench-regen-") as tmp:
         out = Path(tmp) / "shards"
@@ -266,32 +287,33 @@ def main(argv: list[str] | None = None) -> int:
             "engine_timing": engine_timing(manifest["regeneration"]) if manifest else [],
         },
     }
-    if not args.skip_baseline:
-        command = plain_generate_command(args)
-        started = time.perf_counter()
-        finished = subprocess.run(command, capture_output=True, text=True)
-        process_s = time.perf_counter() - started
-        if finished.returncode != 0:
-            raise FlashdraftError(
-                f"flashdraft bench regen: the baseline `{shlex.join(command)}` failed "
-                f"(rc {finished.returncode}):\n" + finished.stderr[-3000:]
-            )
-        baseline = json.loads(finished.stdout.strip().splitlines()[-1])
-        result["baseline"] = {
-            "batch": args.baseline_batch,
-            "command": shlex.join(command),
-            **baseline,
-            # the script end to end: its start-up, imports, model load and prompts as well as generate
-            "process_seconds": round(process_s, 3),
-        }
-        # From the reported seconds, so that the result is consistent with itself. `speedup` sets the
-        # prepare command (everything included) against the generate calls alone: the stricter ratio.
-        # `speedup_end_to_end` sets process against process, start-up and loading on both sides.
-        result["speedup"] = float(f"{baseline['seconds'] / result['prepare']['seconds']:.4g}")
-        result["speedup_end_to_end"] = float(
-            f"{result['baseline']['process_seconds'] / result['prepare']['seconds']:.4g}"
+    return result
+
+
+def time_baseline(args: argparse.Namespace, result: dict) -> None:
+    """The plain-`generate` script run as its own process on the same prompts; its numbers and the two
+    speedups go into `result`."""
+    command = plain_generate_command(args)
+    started = time.perf_counter()
+    finished = subprocess.run(command, capture_output=True, text=True)
+    process_s = time.perf_counter() - started
+    if finished.returncode != 0:
+        raise FlashdraftError(
+            f"flashdraft bench regen: the baseline `{shlex.join(command)}` failed "
+            f"(rc {finished.returncode}):\n" + finished.stderr[-3000:]
         )
-    print(json.dumps(result, indent=1))
-    if args.out:
-        atomic_write_json(args.out, result, indent=2)
-    return 0
+    baseline = json.loads(finished.stdout.strip().splitlines()[-1])
+    result["baseline"] = {
+        "batch": args.baseline_batch,
+        "command": shlex.join(command),
+        **baseline,
+        # the script end to end: its start-up, imports, model load and prompts as well as generate
+        "process_seconds": round(process_s, 3),
+    }
+    # From the reported seconds, so that the result is consistent with itself. `speedup` sets the
+    # prepare command (everything included) against the generate calls alone: the stricter ratio.
+    # `speedup_end_to_end` sets process against process, start-up and loading on both sides.
+    result["speedup"] = float(f"{baseline['seconds'] / result['prepare']['seconds']:.4g}")
+    result["speedup_end_to_end"] = float(
+        f"{result['baseline']['process_seconds'] / result['prepare']['seconds']:.4g}"
+    )

@@ -44,7 +44,7 @@ from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 

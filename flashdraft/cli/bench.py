@@ -14,7 +14,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     from flashdraft.hf_startup import prepare_transformers
 
     prepare_transformers()
-    from flashdraft.bench.quickstart import quickstart
+    from flashdraft.quickstart.flow import quickstart
 
     quickstart(args.out, steps=args.steps, real=args.real)
     return 0

@@ -207,7 +207,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         gpu = torch.cuda.is_available()
     else:
         gpu = args.machine == "gpu"
-    from flashdraft.starter_config import starter_config, write_starter
+    from flashdraft.train.starter_config import starter_config, write_starter
 
     name = Path(args.target).name.removesuffix(".gguf") or "target"
     text = starter_config(
@@ -230,6 +230,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """The commands of the training group: config, init, train, launch."""
+    _register_config(sub)
+    _register_init(sub)
+    _register_train(sub)
+    _register_launch(sub)
+
+
+def _register_config(sub: argparse._SubParsersAction) -> None:
+    """`flashdraft config`: a starter config for the user's own target."""
     p = sub.add_parser(
         "config",
         help="write a commented starter config for your own target, sized for this machine",
@@ -264,6 +273,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_config)
 
+
+def _register_init(sub: argparse._SubParsersAction) -> None:
+    """`flashdraft init`: a new drafter directory."""
     p = sub.add_parser(
         "init",
         help="create a new drafter directory for a target",
@@ -275,6 +287,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     flags_from(p, InitSettings)
     p.set_defaults(func=cmd_init)
 
+
+def _register_train(sub: argparse._SubParsersAction) -> None:
+    """`flashdraft train`: training in this process."""
     p = sub.add_parser(
         "train",
         help="train a drafter in this process: flashdraft train CONFIG [key=value ...]",
@@ -285,6 +300,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_threads_flag(p)
     p.set_defaults(func=cmd_train)
 
+
+def _register_launch(sub: argparse._SubParsersAction) -> None:
+    """`flashdraft launch`: a detached, supervised run."""
     p = sub.add_parser(
         "launch", help="start a detached, supervised training run; returns once it is up or has failed"
     )

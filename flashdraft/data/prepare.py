@@ -10,7 +10,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,49 @@ def local_regeneration(target: str, sampling: Sampling, settings: PrepareSetting
     }
 
 
+@dataclass
+class Tally:
+    """What `prepare` counts on its way (the manifest's counts, the summary's rows), and what it does with
+    a bad record: raise it, or with --skip-bad-records report it, count it and carry on."""
+
+    console: Console
+    skip_bad_records: bool
+    records_read: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    bad_records: list[str] = field(default_factory=list)
+    id_counts: Counter[str] = field(default_factory=Counter)
+    cut_counts: Counter[str] = field(default_factory=Counter)
+    turns_after_cut: int = 0  # assistant turns left out because an earlier answer of theirs was cut
+
+    def skip(self, exc: FlashdraftError) -> None:
+        self.dropped["bad record"] += 1
+        self.bad_records.append(str(exc))
+        self.console.print(f"[yellow]skipped[/] {exc}", highlight=False, markup=True)
+
+    def bad(self, exc: FlashdraftError) -> None:
+        if not self.skip_bad_records:
+            raise exc
+        self.skip(exc)
+
+    def unreadable(self, exc: FlashdraftError) -> None:
+        """A record the reader could not parse (only with --skip-bad-records): it was read, and skipped."""
+        self.records_read += 1
+        self.skip(exc)
+
+
+@dataclass
+class Answers:
+    """The conversations to render, and for each, when regenerated: the ids generated per turn, whether its
+    last turn is a kept cut answer, and that answer's generated ids (empty lists: not regenerated)."""
+
+    conversations: list[tuple[list[dict], str]]
+    generated: list[list[list[int] | None]] = field(default_factory=list)
+    cut_last: list[bool] = field(default_factory=list)
+    cut_ids: list[list[int] | None] = field(default_factory=list)
+    record: dict[str, Any] | None = None  # the engine's description (the manifest's "regeneration")
+    server_requests: dict[str, int] | None = None  # a server's request counts
+
+
 def prepare(
     inputs: list[str],
     target: str,
@@ -116,52 +159,98 @@ def prepare(
     command: str | None = None,
     phases: PhaseClock | None = None,
 ) -> dict[str, Any]:
-    """`phases`: the clock this command's phases are booked on (the CLI starts it at the process's
+    """Check, read, (regenerate,) render, write the shards, print the summary; returns the manifest.
+
+    `phases`: the clock this command's phases are booked on (the CLI starts it at the process's
     creation, so the interpreter's start and the imports show as `start-up`); a fresh one otherwise."""
     console = console or Console()
     # Where the command's time goes, phase by phase (the manifest's "seconds" and the summary's last row):
     # regeneration's engine start-up and the work around it show apart from the engine's own record.
     phases = phases or PhaseClock()
     out_dir = Path(out)
-    # Everything about the output is checked before the tokenizer loads and before any regeneration.
+    sampling = settings.sampling or Sampling()
+    local = check_before_work(inputs, target, out_dir, settings, sampling)
+    phases.mark("checks")
+    tokenizer = load_target_tokenizer(target, required=True)
+    phases.mark("tokenizer")
+    if not getattr(tokenizer, "chat_template", None):
+        raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
+    tally = Tally(console, settings.skip_bad_records)
+    answers = Answers(read_conversations(inputs, tokenizer, settings, tally))
+    phases.mark("read_and_check")
+    if settings.regenerate:
+        answers = regenerate_answers(
+            answers.conversations, target, tokenizer, out_dir, settings, sampling, local, tally
+        )
+        phases.mark("regenerate")
+    samples, supervised, total = render_samples(tokenizer, answers, settings, tally, console)
+    if not samples:
+        reasons = (
+            ", ".join(f"{n} {why}" for why, n in sorted(tally.dropped.items()))
+            or "the inputs hold no records"
+        )
+        first = f"; first: {tally.bad_records[0]}" if tally.bad_records else ""
+        raise FlashdraftError(f"prepare: no sample kept from {', '.join(inputs)} ({reasons}){first}")
+    phases.mark("render")
+    manifest = {
+        **tokenizer_fingerprint(tokenizer),
+        "tokenizer_name": getattr(tokenizer, "name_or_path", target),
+        "target": str(target),
+        "thinking": settings.thinking,
+        "max_length": settings.max_length,
+        "inputs": [str(p) for p in inputs],
+        "conversations": len(answers.conversations),
+        "samples": len(samples),
+        "dropped": dict(tally.dropped),
+        "generated_ids": dict(tally.id_counts),
+        "cut_answers": {"policy": settings.cut_answers, "kept": 0, "dropped": 0, **tally.cut_counts}
+        if settings.regenerate
+        else None,
+        "turns_after_cut_answers": tally.turns_after_cut if settings.regenerate else None,
+        "tokens": total,
+        "supervised_tokens": supervised,
+        "regeneration": answers.record,
+        "server_requests": answers.server_requests,
+        "command": command or " ".join(sys.argv),
+        "bad_records": tally.bad_records[:100],
+        "seconds": dict(phases.seconds),  # the phases before the shards were written
+    }
+    try:
+        write_shards(out_dir, samples, manifest)
+    except OSError as exc:
+        raise _write_failed(exc, out_dir, "writing the shards") from None
+    phases.mark("write")
+    console.print(summary_table(out_dir, manifest, tally, settings, sampling, phases))
+    return manifest
+
+
+def check_before_work(
+    inputs: list[str], target: str, out_dir: Path, settings: PrepareSettings, sampling: Sampling
+) -> dict[str, Any] | None:
+    """Everything about the output and the flags, checked before the tokenizer loads and before any
+    regeneration; returns in-process regeneration's plan (`local_regeneration`), None without it."""
     protected = {"--target": target, **{f"input {p}": p for p in inputs}}
     check_output_dir(out_dir, "--out", force=settings.force, inputs=protected, ours=not_a_shard_dir)
     if settings.cut_answers not in CUT_POLICIES:
         raise FlashdraftError(
             f"--cut-answers {settings.cut_answers!r}: expected one of {', '.join(CUT_POLICIES)}"
         )
-    sampling = settings.sampling or Sampling()
-    local = None  # --device, --engine and --workers are refused before any record is read
+    # --device, --engine and --workers are refused before any record is read
     if settings.regenerate and not settings.server_url:
-        local = local_regeneration(target, sampling, settings)
-    phases.mark("checks")
-    tokenizer = load_target_tokenizer(target, required=True)
-    phases.mark("tokenizer")
-    if not getattr(tokenizer, "chat_template", None):
-        raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
-    dropped: Counter[str] = Counter()
-    bad_records: list[str] = []
+        return local_regeneration(target, sampling, settings)
+    return None
 
-    def skip(exc: FlashdraftError) -> None:  # --skip-bad-records: report, count, carry on
-        dropped["bad record"] += 1
-        bad_records.append(str(exc))
-        console.print(f"[yellow]skipped[/] {exc}", highlight=False, markup=True)
 
-    def bad(exc: FlashdraftError) -> None:
-        if not settings.skip_bad_records:
-            raise exc
-        skip(exc)
-
-    def unreadable(exc: FlashdraftError) -> None:
-        nonlocal records_read
-        records_read += 1
-        skip(exc)
-
-    conversations, records_read = [], 0
-    for record, where in iter_records(inputs, unreadable if settings.skip_bad_records else None):
+def read_conversations(
+    inputs: list[str], tokenizer, settings: PrepareSettings, tally: Tally
+) -> list[tuple[list[dict], str]]:
+    """The conversations of the inputs (up to --limit), each checked to render, with where it was read;
+    without --regenerate those with no assistant turn are dropped (nothing to supervise)."""
+    conversations = []
+    for record, where in iter_records(inputs, tally.unreadable if settings.skip_bad_records else None):
         if settings.limit and len(conversations) >= settings.limit:
             break
-        records_read += 1
+        tally.records_read += 1
         try:
             conv = normalise(record, where)
             if conv.messages is None:
@@ -170,112 +259,151 @@ def prepare(
                 )
             check_renders(tokenizer, conv.messages, settings.thinking, where)
         except FlashdraftError as exc:
-            bad(exc)
+            tally.bad(exc)
             continue
         if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
-            dropped["no assistant turn"] += 1
+            tally.dropped["no assistant turn"] += 1
             continue
         conversations.append((conv.messages, where))
-    phases.mark("read_and_check")
+    return conversations
 
-    sampling_record = server_requests = None
-    generated: list[list[list[int] | None]] = []  # per kept conversation: the ids generated per turn
-    # per kept conversation: whether its last turn is a kept cut answer, and that answer's generated ids
-    cut_last: list[bool] = []
-    cut_ids: list[list[int] | None] = []
-    cut_counts: Counter[str] = Counter()
-    turns_after_cut = 0  # assistant turns left out because an earlier answer of theirs was cut
-    id_counts: Counter[str] = Counter()
-    if settings.regenerate:
-        if local is None:
-            # one request per assistant turn; a conversation with only a prompt gets one answer too
-            requests = sum(
-                max(1, [m["role"] for m in messages].count("assistant")) for messages, _ in conversations
+
+def regenerate_answers(
+    conversations: list[tuple[list[dict], str]],
+    target: str,
+    tokenizer,
+    out_dir: Path,
+    settings: PrepareSettings,
+    sampling: Sampling,
+    local: dict[str, Any] | None,
+    tally: Tally,
+) -> Answers:
+    """--regenerate: the target answers every assistant turn, through a server (`local` None) or in this
+    process, journaled under --out so that a rerun resumes where a kill stopped (docs/regeneration.md)."""
+    engine = None
+    if local is None:
+        engine = server_engine(conversations, tokenizer, settings, sampling)
+        engine_record = key_engine = engine.describe()
+    else:
+        engine_record, key_engine = local["record"], local["key"]
+    key_settings = {
+        "engine": key_engine,
+        "thinking": settings.thinking,
+        "target": target_identity(target),
+    }
+    items = journal_items(conversations, key_settings)
+    journal = out_dir / JOURNAL
+    try:
+        if engine is not None:
+            done = regenerate(
+                items,
+                engine.complete,
+                journal,
+                chunk=settings.chunk or 256,
+                answer_batch=settings.concurrency * SERVER_ROUNDS_PER_BATCH,
             )
-            engine = ServerEngine(
-                settings.server_url,
-                settings.server_model,
-                sampling,
-                settings.thinking,
-                settings.concurrency,
-                reasoning=reasoning_placement(tokenizer, settings.thinking),
-                max_retries=settings.max_retries,
-                max_failed=(
-                    requests // 100 if settings.max_failed_requests is None else settings.max_failed_requests
-                ),
-                backoff=settings.retry_backoff,
-            )
-            engine_record = engine.describe()
-            key_engine = engine_record
         else:
-            engine_record, key_engine = local["record"], local["key"]
-        key_settings = {
-            "engine": key_engine,
-            "thinking": settings.thinking,
-            "target": target_identity(target),
-        }
-        seen: Counter[str] = Counter()
-        items = []
-        for messages, _ in conversations:
-            # a conversation with only a prompt gets its answer generated too
-            if not any(m["role"] == "assistant" for m in messages):
-                messages = [*messages, {"role": "assistant", "content": ""}]
-            text = json.dumps(messages, sort_keys=True)
-            items.append((journal_key(messages, seen[text], key_settings), messages))
-            seen[text] += 1
-        journal = out_dir / JOURNAL
-        try:
-            if local is None:
-                done = regenerate(
-                    items,
-                    engine.complete,
-                    journal,
-                    chunk=settings.chunk or 256,
-                    answer_batch=settings.concurrency * SERVER_ROUNDS_PER_BATCH,
-                )
-            else:
-                from flashdraft.data.local_regen import regenerate_locally
+            from flashdraft.data.local_regen import regenerate_locally
 
-                done, details = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer)
-                engine_record = {**engine_record, "engine_details": details}
-        except OSError as exc:
-            raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
-        if local is None:
-            engine.check_some_succeeded()
-        kept = []
-        for (key, _), (_, where) in zip(items, conversations, strict=True):
-            if REQUEST_FAILED in done[key].finish_reasons:  # not journaled: a rerun asks again
-                dropped["server request failed"] += 1
-                continue
-            # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
-            # learn to end turns where the target does not. `keep` trains on its tokens and ends the sample
-            # there (flashdraft/data/cut_answers.py); `drop` leaves the conversation out. Both are counted.
-            messages, token_ids = done[key].messages, list(done[key].token_ids)
-            cut = first_cut_turn(done[key].finish_reasons)
-            if cut is not None and settings.cut_answers == "drop":
-                dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
-                cut_counts["dropped"] += 1
-                continue
-            if cut is not None:
-                turn_index = assistant_turns(messages)[cut]
-                turns_after_cut += len(assistant_turns(messages)) - cut - 1
-                messages = messages[: turn_index + 1]
-                token_ids += [None] * (cut + 1 - len(token_ids))
-                cut_ids.append(token_ids[cut])
-                token_ids = [*token_ids[:cut], None]  # the cut turn is ended by end_at_cut_answer
-                cut_counts["kept"] += 1
-            else:
-                cut_ids.append(None)
-            cut_last.append(cut is not None)
-            kept.append((messages, where))
-            generated.append(token_ids)
-        conversations = kept
-        sampling_record = engine_record
-        if local is None:
-            server_requests = asdict(engine.counts)
-        phases.mark("regenerate")
+            done, details = regenerate_locally(items, local["job"], local["devices"], journal, tokenizer)
+            engine_record = {**engine_record, "engine_details": details}
+    except OSError as exc:
+        raise _write_failed(exc, out_dir, f"writing the journal {journal}") from None
+    if engine is not None:
+        engine.check_some_succeeded()
+    answers = keep_answers(items, conversations, done, settings.cut_answers, sampling, tally)
+    answers.record = engine_record
+    answers.server_requests = asdict(engine.counts) if engine is not None else None
+    return answers
+
+
+def server_engine(
+    conversations: list[tuple[list[dict], str]], tokenizer, settings: PrepareSettings, sampling: Sampling
+) -> ServerEngine:
+    """The OpenAI-compatible server's client; by default 1% of the requests may fail for good."""
+    # one request per assistant turn; a conversation with only a prompt gets one answer too
+    requests = sum(max(1, [m["role"] for m in messages].count("assistant")) for messages, _ in conversations)
+    return ServerEngine(
+        settings.server_url,
+        settings.server_model,
+        sampling,
+        settings.thinking,
+        settings.concurrency,
+        reasoning=reasoning_placement(tokenizer, settings.thinking),
+        max_retries=settings.max_retries,
+        max_failed=(
+            requests // 100 if settings.max_failed_requests is None else settings.max_failed_requests
+        ),
+        backoff=settings.retry_backoff,
+    )
+
+
+def journal_items(
+    conversations: list[tuple[list[dict], str]], key_settings: dict[str, Any]
+) -> list[tuple[str, list[dict]]]:
+    """(journal key, messages) per conversation: the key names the conversation, its repeat number among
+    identical ones and what decides its answers, so a rerun with other settings regenerates."""
+    seen: Counter[str] = Counter()
+    items = []
+    for messages, _ in conversations:
+        # a conversation with only a prompt gets its answer generated too
+        if not any(m["role"] == "assistant" for m in messages):
+            messages = [*messages, {"role": "assistant", "content": ""}]
+        text = json.dumps(messages, sort_keys=True)
+        items.append((journal_key(messages, seen[text], key_settings), messages))
+        seen[text] += 1
+    return items
+
+
+def keep_answers(
+    items: list[tuple[str, list[dict]]],
+    conversations: list[tuple[list[dict], str]],
+    done: dict[str, Any],
+    cut_answers: str,
+    sampling: Sampling,
+    tally: Tally,
+) -> Answers:
+    """The regenerated conversations to render: failed requests dropped, answers cut at --max-new-tokens
+    kept up to the cut or dropped (--cut-answers), each counted."""
+    answers = Answers([])
+    for (key, _), (_, where) in zip(items, conversations, strict=True):
+        if REQUEST_FAILED in done[key].finish_reasons:  # not journaled: a rerun asks again
+            tally.dropped["server request failed"] += 1
+            continue
+        # An answer cut at --max-new-tokens is not a finished answer: taught as one, the drafter would
+        # learn to end turns where the target does not. `keep` trains on its tokens and ends the sample
+        # there (flashdraft/data/cut_answers.py); `drop` leaves the conversation out. Both are counted.
+        messages, token_ids = done[key].messages, list(done[key].token_ids)
+        cut = first_cut_turn(done[key].finish_reasons)
+        if cut is not None and cut_answers == "drop":
+            tally.dropped[f"answer cut at --max-new-tokens {sampling.max_new_tokens}"] += 1
+            tally.cut_counts["dropped"] += 1
+            continue
+        if cut is not None:
+            turn_index = assistant_turns(messages)[cut]
+            tally.turns_after_cut += len(assistant_turns(messages)) - cut - 1
+            messages = messages[: turn_index + 1]
+            token_ids += [None] * (cut + 1 - len(token_ids))
+            answers.cut_ids.append(token_ids[cut])
+            token_ids = [*token_ids[:cut], None]  # the cut turn is ended by end_at_cut_answer
+            tally.cut_counts["kept"] += 1
+        else:
+            answers.cut_ids.append(None)
+        answers.cut_last.append(cut is not None)
+        answers.conversations.append((messages, where))
+        answers.generated.append(token_ids)
+    return answers
+
+
+def render_samples(
+    tokenizer, answers: Answers, settings: PrepareSettings, tally: Tally, console: Console
+) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """Every conversation rendered into samples of (ids, loss mask), in worker processes when there are
+    many; returns the samples, their supervised tokens and their tokens."""
+    from flashdraft.progress import track
 
     samples, supervised, total = [], 0, 0
+    cut_last = answers.cut_last
     rules = RenderRules(
         thinking=settings.thinking,
         max_length=settings.max_length,
@@ -286,86 +414,64 @@ def prepare(
         RenderConversation(
             messages,
             where,
-            generated[number] if generated else None,
+            answers.generated[number] if answers.generated else None,
             bool(cut_last) and cut_last[number],
-            cut_ids[number] if cut_last else None,
+            answers.cut_ids[number] if cut_last else None,
         )
-        for number, (messages, where) in enumerate(conversations)
+        for number, (messages, where) in enumerate(answers.conversations)
     ]
     workers = render_workers(settings.render_workers, len(jobs))
     if workers > 1:
         console.print(f"rendering {len(jobs)} conversations in {workers} processes")
-    from flashdraft.progress import track
-
     with track("rendering", len(jobs), unit="conversation") as bar:
         for outcome in render_all(tokenizer, jobs, rules, workers):
             bar.advance()
             if outcome.error is not None:
-                bad(FlashdraftError(outcome.error))
+                tally.bad(FlashdraftError(outcome.error))
                 continue
-            dropped.update(outcome.dropped)
-            id_counts.update(outcome.id_counts)
+            tally.dropped.update(outcome.dropped)
+            tally.id_counts.update(outcome.id_counts)
             for ids, mask in outcome.samples:
                 samples.append((ids, mask))
                 supervised += sum(mask)
                 total += len(ids)
-    if not samples:
-        reasons = (
-            ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "the inputs hold no records"
-        )
-        first = f"; first: {bad_records[0]}" if bad_records else ""
-        raise FlashdraftError(f"prepare: no sample kept from {', '.join(inputs)} ({reasons}){first}")
-    phases.mark("render")
-    manifest = {
-        **tokenizer_fingerprint(tokenizer),
-        "tokenizer_name": getattr(tokenizer, "name_or_path", target),
-        "target": str(target),
-        "thinking": settings.thinking,
-        "max_length": settings.max_length,
-        "inputs": [str(p) for p in inputs],
-        "conversations": len(conversations),
-        "samples": len(samples),
-        "dropped": dict(dropped),
-        "generated_ids": dict(id_counts),
-        "cut_answers": {"policy": settings.cut_answers, "kept": 0, "dropped": 0, **cut_counts}
-        if settings.regenerate
-        else None,
-        "turns_after_cut_answers": turns_after_cut if settings.regenerate else None,
-        "tokens": total,
-        "supervised_tokens": supervised,
-        "regeneration": sampling_record,
-        "server_requests": server_requests,
-        "command": command or " ".join(sys.argv),
-        "bad_records": bad_records[:100],
-        "seconds": dict(phases.seconds),  # the phases before the shards were written
-    }
-    try:
-        write_shards(out_dir, samples, manifest)
-    except OSError as exc:
-        raise _write_failed(exc, out_dir, "writing the shards") from None
-    phases.mark("write")
+    return samples, supervised, total
 
+
+def summary_table(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    tally: Tally,
+    settings: PrepareSettings,
+    sampling: Sampling,
+    phases: PhaseClock,
+) -> Table:
+    """The summary printed at the end: what was read, kept, dropped and why, how it was regenerated, and
+    where the time went."""
     table = Table(title=f"flashdraft prepare -> {out_dir}")
     table.add_column("")
     table.add_column("value", justify="right")
-    table.add_row("records read", str(records_read))
-    table.add_row("samples kept", str(len(samples)))
-    for reason, count in sorted(dropped.items()):
+    table.add_row("records read", str(tally.records_read))
+    table.add_row("samples kept", str(manifest["samples"]))
+    for reason, count in sorted(tally.dropped.items()):
         table.add_row(f"dropped: {reason}", str(count))
-    for outcome, count in sorted(id_counts.items()):
+    for outcome, count in sorted(tally.id_counts.items()):
         table.add_row(outcome, str(count))
     if settings.regenerate:
+        cut_counts = tally.cut_counts
         table.add_row(
             f"answers cut at --max-new-tokens {sampling.max_new_tokens}",
             f"{cut_counts['kept']} kept (no end-of-turn taught), {cut_counts['dropped']} dropped",
         )
-        if turns_after_cut:
+        if tally.turns_after_cut:
             table.add_row(
                 "later turns left out after a cut answer",
-                f"{turns_after_cut} (a sample ends at its cut answer; raise --max-new-tokens to keep them)",
+                f"{tally.turns_after_cut} (a sample ends at its cut answer; raise --max-new-tokens to keep them)",
             )
+    total, supervised = manifest["tokens"], manifest["supervised_tokens"]
     table.add_row("tokens", f"{total:,}")
     table.add_row("supervised fraction", f"{supervised / max(total, 1):.1%}")
+    sampling_record, server_requests = manifest["regeneration"], manifest["server_requests"]
     if sampling_record:
         where = ", ".join(sampling_record.get("devices") or [sampling_record.get("url", "")])
         table.add_row("regenerated", f"yes: {sampling_record['engine']} on {where}")
@@ -386,5 +492,4 @@ def prepare(
         table.add_row("server requests retried", str(server_requests["retried"]))
         table.add_row("server requests failed", str(server_requests["failed"]))
     table.add_row("time by phase", phases.summary())
-    console.print(table)
-    return manifest
+    return table

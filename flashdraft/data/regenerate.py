@@ -392,71 +392,126 @@ def regenerate(
                 f"{progress_label}: resuming from {journal}: {len(done)} conversations finished, "
                 f"{len(started)} part-way, {answers} answers to go"
             )
-
-        def journal_record(key: str, partial: bool) -> None:
-            record: dict[str, Any] = {"key": key, "messages": convs[key], "finish_reasons": reasons[key]}
-            if any(turn is not None for turn in ids[key]):
-                record["token_ids"] = ids[key]
-            if partial:
-                record["partial"] = True
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
-            convs: dict[str, Messages] = {}
-            reasons: dict[str, list[str | None]] = {}
-            ids: dict[str, list[list[int] | None]] = {}
-            remaining: dict[str, Messages] = {}
-            for key, messages in group:
-                begun = started.get(key)
-                convs[key] = list(begun.messages) if begun else []
-                reasons[key] = list(begun.finish_reasons) if begun else []
-                ids[key] = list(begun.token_ids) if begun else []
-                ids[key] += [None] * (len(reasons[key]) - len(ids[key]))
-                remaining[key] = list(messages[len(convs[key]) :])
-            written: set[str] = set()
-            while remaining:
-                asking = []
-                for key, rest in list(remaining.items()):
-                    while rest and rest[0]["role"] != "assistant":
-                        convs[key].append(rest.pop(0))
-                    if rest:
-                        asking.append(key)
-                    else:
-                        del remaining[key]
-                if not asking:
-                    break
-                step = answer_batch or len(asking)
-                for first in range(0, len(asking), step):
-                    batch = asking[first : first + step]
-                    seeds = [answer_seed(key, len(reasons[key])) for key in batch]
-                    replies = complete([convs[key] for key in batch], seeds)
-                    tokens = 0
-                    for key, (answer, reason, *generated) in zip(batch, replies, strict=True):
-                        remaining[key].pop(0)  # the original assistant turn is replaced
-                        convs[key].append(assistant_message(answer))
-                        reasons[key].append(reason)
-                        ids[key].append(generated[0] if generated else None)
-                        tokens += len(generated[0]) if generated and generated[0] else 0
-                        if reason == REQUEST_FAILED:  # a later turn would build on no answer
-                            failed[key] = Regenerated(convs[key], reasons[key])
-                            bar.set_total((bar.total or 0) - _answers_left(remaining.pop(key)))
-                        elif not _answers_left(remaining[key]):
-                            convs[key] += remaining.pop(key)  # the messages after its last answer
-                            journal_record(key, partial=False)
-                            written.add(key)
-                            done[key] = Regenerated(convs[key], reasons[key], ids[key])
-                        else:
-                            journal_record(key, partial=True)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-                    bar.advance(len(batch), tokens=tokens)
-            for key, _ in group:  # conversations with no answer to give (nothing was asked)
-                if key not in failed and key not in written:
-                    journal_record(key, partial=False)
-                    done[key] = Regenerated(convs[key], reasons[key], ids[key])
-            handle.flush()
-            os.fsync(handle.fileno())
+            _regenerate_chunk(group, started, complete, answer_batch, handle, bar, done, failed)
             if on_progress:
                 on_progress(sum(key in done for key in wanted), len(wanted))
     return {key: done[key] if key in done else failed[key] for key in wanted}
+
+
+@dataclass
+class _Chunk:
+    """One chunk's conversations while they are regenerated, by key: the messages so far (`convs`), why
+    each answer ended, the ids generated per answer, and the original messages still to go."""
+
+    convs: dict[str, Messages] = field(default_factory=dict)
+    reasons: dict[str, list[str | None]] = field(default_factory=dict)
+    ids: dict[str, list[list[int] | None]] = field(default_factory=dict)
+    remaining: dict[str, Messages] = field(default_factory=dict)
+
+    @classmethod
+    def begin(cls, group: list[tuple[str, Messages]], started: dict[str, Regenerated]) -> _Chunk:
+        """The chunk, each conversation continued from its partial journal record if it has one."""
+        chunk = cls()
+        for key, messages in group:
+            begun = started.get(key)
+            chunk.convs[key] = list(begun.messages) if begun else []
+            chunk.reasons[key] = list(begun.finish_reasons) if begun else []
+            chunk.ids[key] = list(begun.token_ids) if begun else []
+            chunk.ids[key] += [None] * (len(chunk.reasons[key]) - len(chunk.ids[key]))
+            chunk.remaining[key] = list(messages[len(chunk.convs[key]) :])
+        return chunk
+
+    def asking(self) -> list[str]:
+        """The keys with an answer to give next: each conversation's messages up to its next assistant
+        turn are carried over; one with no assistant turn left leaves `remaining`."""
+        asking = []
+        for key, rest in list(self.remaining.items()):
+            while rest and rest[0]["role"] != "assistant":
+                self.convs[key].append(rest.pop(0))
+            if rest:
+                asking.append(key)
+            else:
+                del self.remaining[key]
+        return asking
+
+    def journal(self, handle, key: str, partial: bool) -> None:
+        """Write the conversation's journal record (whole, or partial: a rerun continues from it)."""
+        record: dict[str, Any] = {
+            "key": key,
+            "messages": self.convs[key],
+            "finish_reasons": self.reasons[key],
+        }
+        if any(turn is not None for turn in self.ids[key]):
+            record["token_ids"] = self.ids[key]
+        if partial:
+            record["partial"] = True
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def finished(self, key: str) -> Regenerated:
+        return Regenerated(self.convs[key], self.reasons[key], self.ids[key])
+
+
+def _regenerate_chunk(
+    group: list[tuple[str, Messages]],
+    started: dict[str, Regenerated],
+    complete: Complete,
+    answer_batch: int | None,
+    handle,
+    bar,
+    done: dict[str, Regenerated],
+    failed: dict[str, Regenerated],
+) -> None:
+    """One chunk, turn by turn, each turn's answers asked `answer_batch` at a time (None: all at once) and
+    the journal synced after every batch; finished conversations go to `done`, failed ones to `failed`."""
+    chunk = _Chunk.begin(group, started)
+    written: set[str] = set()
+    while asking := chunk.asking():
+        step = answer_batch or len(asking)
+        for first in range(0, len(asking), step):
+            batch = asking[first : first + step]
+            tokens = _answer_batch(chunk, batch, complete, handle, bar, done, failed, written)
+            handle.flush()
+            os.fsync(handle.fileno())
+            bar.advance(len(batch), tokens=tokens)
+    for key, _ in group:  # conversations with no answer to give (nothing was asked)
+        if key not in failed and key not in written:
+            chunk.journal(handle, key, partial=False)
+            done[key] = chunk.finished(key)
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _answer_batch(
+    chunk: _Chunk,
+    batch: list[str],
+    complete: Complete,
+    handle,
+    bar,
+    done: dict[str, Regenerated],
+    failed: dict[str, Regenerated],
+    written: set[str],
+) -> int:
+    """Ask for one batch of answers and journal each conversation (whole once its last answer is in,
+    else partial); a failed request ends its conversation. Returns the tokens generated."""
+    seeds = [answer_seed(key, len(chunk.reasons[key])) for key in batch]
+    replies = complete([chunk.convs[key] for key in batch], seeds)
+    tokens = 0
+    for key, (answer, reason, *generated) in zip(batch, replies, strict=True):
+        chunk.remaining[key].pop(0)  # the original assistant turn is replaced
+        chunk.convs[key].append(assistant_message(answer))
+        chunk.reasons[key].append(reason)
+        chunk.ids[key].append(generated[0] if generated else None)
+        tokens += len(generated[0]) if generated and generated[0] else 0
+        if reason == REQUEST_FAILED:  # a later turn would build on no answer
+            failed[key] = Regenerated(chunk.convs[key], chunk.reasons[key])
+            bar.set_total((bar.total or 0) - _answers_left(chunk.remaining.pop(key)))
+        elif not _answers_left(chunk.remaining[key]):
+            chunk.convs[key] += chunk.remaining.pop(key)  # the messages after its last answer
+            chunk.journal(handle, key, partial=False)
+            written.add(key)
+            done[key] = chunk.finished(key)
+        else:
+            chunk.journal(handle, key, partial=True)
+    return tokens

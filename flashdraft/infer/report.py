@@ -18,7 +18,7 @@ from typing import Any
 from flashdraft.durable import atomic_write_bytes, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.speculative import Generation
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 
 PRODUCER = "flashdraft eval"  # recorded in reports and plots: a rerun may overwrite what it wrote
 

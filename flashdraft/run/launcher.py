@@ -268,6 +268,24 @@ def _resume_target(resume: str, runs_dir: str | None) -> Path:
     return run_dir
 
 
+@dataclass
+class Attempt:
+    """What one launch starts: the run directory and id, the config and overrides, and the settings that a
+    resumed run takes over from its earlier launch (`previous`, its launch.json)."""
+
+    run_dir: Path
+    run_id: str
+    config_path: str | None
+    overrides: list[str]
+    env: dict[str, str]
+    python: str | None
+    nproc_per_node: int
+    nodes: Nodes
+    max_restarts: int | None
+    cwd: Path
+    previous: dict[str, Any]
+
+
 def launch(
     config_path: str | None,
     overrides: list[str],
@@ -285,69 +303,172 @@ def launch(
     nodes: Nodes = Nodes(),
     max_restarts: int | None = None,
 ) -> dict[str, Any]:
-    env = dict(env or {})
-    cwd = Path.cwd()
+    """The steps of the module's docstring; returns the run's state once its job is up or has failed (at
+    once with `wait` off)."""
     if resume is not None:
-        if config_path is not None:
-            raise FlashdraftError(
-                f"--resume {resume}: a resumed run keeps its own config; give overrides only, not {config_path}"
-            )
-        run_dir = _resume_target(resume, runs_dir)
-        previous = read_json(run_dir / "launch.json") or {}
-        run_id = previous.get("run_id", run_dir.name)
-        config_path = str(_archive_attempt(run_dir) / "config.yaml")
-        overrides = ["train.resume=auto", *overrides]
-        env = {**previous.get("env", {}), **env}
-        python = python or previous.get("python")
-        nproc_per_node = int(previous.get("nproc_per_node", nproc_per_node))
-        if "nodes" in previous:  # a resumed node rejoins the same world
-            nodes = Nodes(**previous["nodes"])
-        if max_restarts is None and "max_restarts" in previous:
-            max_restarts = int(previous["max_restarts"])
-        cwd = Path(previous.get("cwd") or cwd)  # relative paths in its config meant the first launch's
+        attempt = _resumed_attempt(
+            resume,
+            config_path,
+            overrides,
+            runs_dir,
+            dict(env or {}),
+            python,
+            nproc_per_node,
+            nodes,
+            max_restarts,
+        )
     else:
-        root = runs_root(runs_dir)
-        stem = name or (Path(config_path).stem if config_path else "run")
-        run_id = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        run_dir = root / run_id
-        run_dir.mkdir(parents=True)
-        previous = {}
-    max_restarts = max_restarts_for(max_restarts, nproc_per_node, nodes)
+        attempt = _new_attempt(
+            config_path,
+            overrides,
+            runs_dir,
+            name,
+            dict(env or {}),
+            python,
+            nproc_per_node,
+            nodes,
+            max_restarts,
+        )
+    run_dir = attempt.run_dir
+    max_restarts = max_restarts_for(attempt.max_restarts, attempt.nproc_per_node, attempt.nodes)
     log = (run_dir / LOG_NAME).open("ab", buffering=0)  # the launcher owns the log, before anything can fail
     command = (
-        f"--resume {run_dir.name} {' '.join(overrides)}"
+        f"--resume {run_dir.name} {' '.join(attempt.overrides)}"
         if resume
-        else f"{config_path or ''} {' '.join(overrides)}"
+        else f"{attempt.config_path or ''} {' '.join(attempt.overrides)}"
     )
     log.write(f"[launch {time.strftime('%Y-%m-%d %H:%M:%S')}] flashdraft launch {command}\n".encode())
-    job_python = python or sys.executable
-    launch_record = {
+    launch_record = _launch_record(attempt, bool(resume), stall_seconds, max_restarts)
+    _write_start_files(run_dir, launch_record)
+
+    try:
+        config = load_config(attempt.config_path, [*attempt.overrides, f"train.out_dir={run_dir}"])
+    except FlashdraftError as exc:
+        return _fail(run_dir, log, str(exc))
+    atomic_write_text(run_dir / "config.yaml", dump_yaml(config))
+    launch_record["gpus"] = _gpus(config.train.device, attempt.env, attempt.nproc_per_node)
+    write_json(run_dir / "launch.json", launch_record)
+    refused = _preflight(config, run_dir, log, launch_record["gpus"], doctor)
+    if refused is not None:
+        return refused
+
+    supervisor = _start_supervisor(run_dir, log)
+    if not wait:
+        return run_state(run_dir)
+    return _wait_until_up(run_dir, supervisor, log, wait_timeout)
+
+
+def _new_attempt(
+    config_path: str | None,
+    overrides: list[str],
+    runs_dir: str | None,
+    name: str | None,
+    env: dict[str, str],
+    python: str | None,
+    nproc_per_node: int,
+    nodes: Nodes,
+    max_restarts: int | None,
+) -> Attempt:
+    """A fresh run directory under the runs root, named after --name or the config file, the time and a
+    random suffix."""
+    root = runs_root(runs_dir)
+    stem = name or (Path(config_path).stem if config_path else "run")
+    run_id = f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    run_dir = root / run_id
+    run_dir.mkdir(parents=True)
+    return Attempt(
+        run_dir,
+        run_id,
+        config_path,
+        overrides,
+        env,
+        python,
+        nproc_per_node,
+        nodes,
+        max_restarts,
+        Path.cwd(),
+        {},
+    )
+
+
+def _resumed_attempt(
+    resume: str,
+    config_path: str | None,
+    overrides: list[str],
+    runs_dir: str | None,
+    env: dict[str, str],
+    python: str | None,
+    nproc_per_node: int,
+    nodes: Nodes,
+    max_restarts: int | None,
+) -> Attempt:
+    """--resume RUN: the run's own directory and config (train.resume=auto, the earlier attempt archived),
+    its environment, interpreter, world and working directory; the flags given add to them."""
+    if config_path is not None:
+        raise FlashdraftError(
+            f"--resume {resume}: a resumed run keeps its own config; give overrides only, not {config_path}"
+        )
+    run_dir = _resume_target(resume, runs_dir)
+    previous = read_json(run_dir / "launch.json") or {}
+    config_path = str(_archive_attempt(run_dir) / "config.yaml")
+    if "nodes" in previous:  # a resumed node rejoins the same world
+        nodes = Nodes(**previous["nodes"])
+    if max_restarts is None and "max_restarts" in previous:
+        max_restarts = int(previous["max_restarts"])
+    return Attempt(
+        run_dir=run_dir,
+        run_id=previous.get("run_id", run_dir.name),
+        config_path=config_path,
+        overrides=["train.resume=auto", *overrides],
+        env={**previous.get("env", {}), **env},
+        python=python or previous.get("python"),
+        nproc_per_node=int(previous.get("nproc_per_node", nproc_per_node)),
+        nodes=nodes,
+        max_restarts=max_restarts,
+        # relative paths in its config meant the first launch's
+        cwd=Path(previous.get("cwd") or Path.cwd()),
+        previous=previous,
+    )
+
+
+def _launch_record(
+    attempt: Attempt, resumed: bool, stall_seconds: float, max_restarts: int
+) -> dict[str, Any]:
+    """launch.json: what was launched, how, where and from which commit; what the supervisor runs."""
+    previous, run_dir, nodes = attempt.previous, attempt.run_dir, attempt.nodes
+    job_python = attempt.python or sys.executable
+    record = {
         **previous,
-        "run_id": run_id,
+        "run_id": attempt.run_id,
         "run_dir": str(run_dir),
         "created": previous.get("created", time.time()),
         "argv": sys.argv,
-        "config": previous.get("config", config_path),
-        "overrides": overrides,
-        "cwd": str(cwd),
+        "config": previous.get("config", attempt.config_path),
+        "overrides": attempt.overrides,
+        "cwd": str(attempt.cwd),
         "python": job_python,
         "host": socket.gethostname(),
         "boot_id": boot_id(),
-        "git_commit": git_commit(cwd),
-        "job_cmd": _job_cmd(job_python, run_dir, nproc_per_node, nodes, max_restarts),
+        "git_commit": git_commit(attempt.cwd),
+        "job_cmd": _job_cmd(job_python, run_dir, attempt.nproc_per_node, nodes, max_restarts),
         "stall_seconds": stall_seconds,
         "max_restarts": max_restarts,
-        "nproc_per_node": nproc_per_node,
+        "nproc_per_node": attempt.nproc_per_node,
         "nodes": dataclasses.asdict(nodes),
         "env": {
             **{k: os.environ[k] for k in ENV_KEYS if k in os.environ},
             **{k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
-            **env,
+            **attempt.env,
             **nodes.job_env(),
         },
     }
-    if resume:
-        launch_record["resumed"] = [*previous.get("resumed", []), time.time()]
+    if resumed:
+        record["resumed"] = [*previous.get("resumed", []), time.time()]
+    return record
+
+
+def _write_start_files(run_dir: Path, launch_record: dict[str, Any]) -> None:
+    """launch.json and a `starting` status naming this launcher; a full disk is one line."""
     try:
         write_json(run_dir / "launch.json", launch_record)
         write_json(
@@ -365,14 +486,10 @@ def launch(
             f"cannot write the run directory {run_dir}: {disk_full_reason(exc, run_dir) or exc}"
         ) from None
 
-    try:
-        config = load_config(config_path, [*overrides, f"train.out_dir={run_dir}"])
-    except FlashdraftError as exc:
-        return _fail(run_dir, log, str(exc))
-    atomic_write_text(run_dir / "config.yaml", dump_yaml(config))
-    launch_record["gpus"] = _gpus(config.train.device, env, nproc_per_node)
-    write_json(run_dir / "launch.json", launch_record)
 
+def _preflight(config, run_dir: Path, log, gpus: list[str], doctor: bool) -> dict[str, Any] | None:
+    """The doctor's fast checks and the GPUs a live run holds: the failed run's state when one refuses,
+    None when the job may start."""
     if doctor:
         from flashdraft.run.doctor import run_checks
 
@@ -384,7 +501,7 @@ def launch(
     busy = [other for other in list_runs(run_dir.parent) if other != run_dir]
     for other in busy:
         info = run_state(other)
-        shared = set(info.get("gpus") or []) & set(launch_record["gpus"])
+        shared = set(info.get("gpus") or []) & set(gpus)
         if shared and is_live(info):
             return _fail(
                 run_dir,
@@ -393,8 +510,12 @@ def launch(
                 f"stop it first (flashdraft stop {other.name})",
                 kind="gpu_busy",
             )
+    return None
 
-    supervisor = subprocess.Popen(
+
+def _start_supervisor(run_dir: Path, log) -> subprocess.Popen:
+    """The supervisor in a new session with stdin closed, so it outlives the shell that launched it."""
+    return subprocess.Popen(
         [sys.executable, ENTRY, "flashdraft.run.supervisor", str(run_dir)],
         stdin=subprocess.DEVNULL,
         stdout=log,
@@ -403,9 +524,6 @@ def launch(
         close_fds=True,
         cwd=run_dir,  # nothing of the user's directory on its path (docs/run-files.md, "Start-up")
     )
-    if not wait:
-        return run_state(run_dir)
-    return _wait_until_up(run_dir, supervisor, log, wait_timeout)
 
 
 def _wait_until_up(run_dir: Path, supervisor: subprocess.Popen, log, timeout: float) -> dict[str, Any]:

@@ -132,6 +132,11 @@ def _reconcile_without_supervisor(run_dir: Path, status: dict[str, Any], tail: l
     }
 
 
+def lead_heartbeat(heartbeats: dict[int, dict]) -> dict:
+    """Rank 0's beat; on a node of a multi-node run without rank 0, its lowest rank's."""
+    return heartbeats[min(heartbeats)] if heartbeats else {}
+
+
 def run_state(run_dir: Path) -> dict[str, Any]:
     """Everything `status` shows about one run, reconciled with the live machine."""
     launch = read_json(run_dir / "launch.json") or {}
@@ -139,6 +144,32 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     status = current_status(run_dir, tail)
     heartbeats = read_heartbeats(run_dir)
     now = time.time()
+    info = _recorded_info(run_dir, launch, status, heartbeats, now)
+    hb0 = lead_heartbeat(heartbeats)
+    state = status.get("state", "starting")
+    diagnosis = status.get("diagnosis")
+    info["evidence"] = status.get("evidence", [])
+    info["restarts"] = status.get("restarts", [])  # launch --max-restarts: each with its cause and cost
+    if state not in FINAL_STATES:
+        state, diagnosis = _reconciled_state(run_dir, launch, status, tail, hb0, now, info, diagnosis)
+    info["state"] = state
+    info["diagnosis"] = diagnosis
+    if state in FINAL_STATES and status.get("diagnosis_kind"):
+        info["diagnosis_kind"] = status["diagnosis_kind"]
+    live = state not in (*FINAL_STATES, "lost")
+    if live and hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
+        info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])  # none once it ended
+    if not live and not info["job_alive"] and state != "finished" and (run_dir / "config.yaml").is_file():
+        info["resume"] = resume_command(run_dir)
+    info["last_log_line"] = next((line for line in reversed(tail[-20:]) if line.strip()), "")
+    return info
+
+
+def _recorded_info(
+    run_dir: Path, launch: dict[str, Any], status: dict[str, Any], heartbeats: dict[int, dict], now: float
+) -> dict[str, Any]:
+    """What the run's files say: launch and status fields, each rank's phase, step and heartbeat age, and
+    rank 0's latest numbers."""
     info: dict[str, Any] = {
         "run": run_dir.name,
         "run_dir": str(run_dir),
@@ -158,8 +189,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
             for r, hb in heartbeats.items()
         },
     }
-    # rank 0's beat; on a node of a multi-node run without rank 0, its lowest rank's
-    hb0 = heartbeats[min(heartbeats)] if heartbeats else {}
+    hb0 = lead_heartbeat(heartbeats)
     for key in (
         "step",
         "total_steps",
@@ -173,83 +203,82 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     ):
         if hb0.get(key) is not None:
             info[key] = hb0[key]
-    state = status.get("state", "starting")
-    diagnosis = status.get("diagnosis")
-    info["evidence"] = status.get("evidence", [])
-    info["restarts"] = status.get("restarts", [])  # launch --max-restarts: each with its cause and cost
-    if state not in FINAL_STATES:
-        same_boot = status.get("boot_id") in (None, boot_id())
-        # Every pid is checked against its recorded start time: a reused pid is not the run's process.
-        supervisor_alive = same_boot and is_ours(
-            status.get("supervisor_pid"), status.get("supervisor_started"), marker=str(run_dir)
+    return info
+
+
+def _reconciled_state(
+    run_dir: Path,
+    launch: dict[str, Any],
+    status: dict[str, Any],
+    tail: list[str],
+    hb0: dict[str, Any],
+    now: float,
+    info: dict[str, Any],
+    diagnosis: str | None,
+) -> tuple[str, str | None]:
+    """A run not final by its status: its state and diagnosis from which of its processes still live
+    (each pid checked against its recorded start time) and its heartbeat's age; records `job_alive` in
+    `info` (and the signal and evidence when the outcome is read from the job's own records)."""
+    same_boot = status.get("boot_id") in (None, boot_id())
+    # Every pid is checked against its recorded start time: a reused pid is not the run's process.
+    supervisor_alive = same_boot and is_ours(
+        status.get("supervisor_pid"), status.get("supervisor_started"), marker=str(run_dir)
+    )
+    job_alive = same_boot and is_ours(
+        status.get("job_pid"), status.get("job_started"), run_id=launch.get("run_id")
+    )
+    launcher_alive = same_boot and is_ours(status.get("launcher_pid"), status.get("launcher_started"))
+    info["job_alive"] = job_alive
+    age = now - hb0["time"] if hb0 else None
+    stall = float(launch.get("stall_seconds", 600))
+    reconciled = {}
+    if not (supervisor_alive or launcher_alive or job_alive):
+        reconciled = _reconcile_without_supervisor(run_dir, status, tail)
+    if reconciled:
+        state, diagnosis, info["signal"] = (
+            reconciled["state"],
+            reconciled["diagnosis"],
+            reconciled["signal"],
         )
-        job_alive = same_boot and is_ours(
-            status.get("job_pid"), status.get("job_started"), run_id=launch.get("run_id")
+        info["evidence"] = reconciled["evidence"]
+    elif not supervisor_alive and not launcher_alive and not status.get("supervisor_pid") and not job_alive:
+        # The launcher ended (a hang-up, Ctrl-C) during its preflight, before it started a supervisor:
+        # nothing ran, nothing is lost but the start.
+        state = "lost"
+        again = (
+            resume_command(run_dir)
+            if (run_dir / "config.yaml").is_file()
+            else f"flashdraft launch {launch.get('config') or 'CONFIG'}"
         )
-        launcher_alive = same_boot and is_ours(status.get("launcher_pid"), status.get("launcher_started"))
-        info["job_alive"] = job_alive
-        age = now - hb0["time"] if hb0 else None
-        stall = float(launch.get("stall_seconds", 600))
-        reconciled = {}
-        if not (supervisor_alive or launcher_alive or job_alive):
-            reconciled = _reconcile_without_supervisor(run_dir, status, tail)
-        if reconciled:
-            state, diagnosis, info["signal"] = (
-                reconciled["state"],
-                reconciled["diagnosis"],
-                reconciled["signal"],
-            )
-            info["evidence"] = reconciled["evidence"]
-        elif (
-            not supervisor_alive and not launcher_alive and not status.get("supervisor_pid") and not job_alive
-        ):
-            # The launcher ended (a hang-up, Ctrl-C) during its preflight, before it started a supervisor:
-            # nothing ran, nothing is lost but the start.
-            state = "lost"
-            again = (
-                resume_command(run_dir)
-                if (run_dir / "config.yaml").is_file()
-                else f"flashdraft launch {launch.get('config') or 'CONFIG'}"
-            )
-            diagnosis = (
-                f"the launch was interrupted before the job started (its launcher, pid {status.get('launcher_pid')}, "
-                f"ended during the preflight checks); nothing ran: start it again with {again}"
-            )
-        elif not supervisor_alive and not launcher_alive:
-            state = "lost"
-            why = "the host rebooted" if not same_boot else "its supervisor is gone"
-            diagnosis = f"lost: {why} without a final status" + (
-                f"; job pid {status.get('job_pid')} still runs (flashdraft stop {run_dir.name} ends it)"
-                if job_alive
+        diagnosis = (
+            f"the launch was interrupted before the job started (its launcher, pid {status.get('launcher_pid')}, "
+            f"ended during the preflight checks); nothing ran: start it again with {again}"
+        )
+    elif not supervisor_alive and not launcher_alive:
+        state = "lost"
+        why = "the host rebooted" if not same_boot else "its supervisor is gone"
+        diagnosis = f"lost: {why} without a final status" + (
+            f"; job pid {status.get('job_pid')} still runs (flashdraft stop {run_dir.name} ends it)"
+            if job_alive
+            else ""
+        )
+    elif job_alive and age is not None and age > stall:
+        state = "stalled"
+        diagnosis = (
+            f"hung: no heartbeat for {age:.0f} s (limit {stall:.0f} s) while job pid {status['job_pid']} lives, "
+            f"last phase {hb0.get('phase')} at step {hb0.get('step')}; "
+            + (
+                "every training process's Python stacks at the stall are in the log (flashdraft logs); "
+                if status.get("stacks_dumped")
                 else ""
             )
-        elif job_alive and age is not None and age > stall:
-            state = "stalled"
-            diagnosis = (
-                f"hung: no heartbeat for {age:.0f} s (limit {stall:.0f} s) while job pid {status['job_pid']} lives, "
-                f"last phase {hb0.get('phase')} at step {hb0.get('step')}; "
-                + (
-                    "every training process's Python stacks at the stall are in the log (flashdraft logs); "
-                    if status.get("stacks_dumped")
-                    else ""
-                )
-                + f"native frames too: py-spy dump --native --pid {status['job_pid']}"
-            )
-        elif hb0:
-            state = PHASE_TO_STATE.get(hb0.get("phase"), "starting")
-        else:
-            state = "starting"
-    info["state"] = state
-    info["diagnosis"] = diagnosis
-    if state in FINAL_STATES and status.get("diagnosis_kind"):
-        info["diagnosis_kind"] = status["diagnosis_kind"]
-    live = state not in (*FINAL_STATES, "lost")
-    if live and hb0.get("step") and hb0.get("total_steps") and hb0.get("step_seconds"):
-        info["eta_s"] = round((hb0["total_steps"] - hb0["step"]) * hb0["step_seconds"])  # none once it ended
-    if not live and not info["job_alive"] and state != "finished" and (run_dir / "config.yaml").is_file():
-        info["resume"] = resume_command(run_dir)
-    info["last_log_line"] = next((line for line in reversed(tail[-20:]) if line.strip()), "")
-    return info
+            + f"native frames too: py-spy dump --native --pid {status['job_pid']}"
+        )
+    elif hb0:
+        state = PHASE_TO_STATE.get(hb0.get("phase"), "starting")
+    else:
+        state = "starting"
+    return state, diagnosis
 
 
 def is_live(info: dict[str, Any]) -> bool:

@@ -157,6 +157,7 @@ def _wait_restarting(
 
 
 def _supervise(run_dir: Path, log) -> int:
+    """Start the job, pass signals on to it, watch it until it exits, record how it ended."""
     launch = read_json(run_dir / "launch.json")
     if launch is None:
         raise RuntimeError(f"cannot read {run_dir / 'launch.json'}")
@@ -171,7 +172,30 @@ def _supervise(run_dir: Path, log) -> int:
     )
     with contextlib.suppress(OSError):
         atomic_write_bytes(run_dir / RESERVE_NAME, bytes(RESERVE_BYTES))
+    job = _start_job(run_dir, launch, status, log)
+    if job is None:
+        return 1
+    _forward_signals(job, log)
+    status = _record(
+        run_dir, status, state="running", job_pid=job.pid, job_pgid=job.pid, job_started=start_time(job.pid)
+    )
+    stall_seconds = float(launch.get("stall_seconds", 600))
+    max_restarts = int(launch.get("max_restarts") or 0)
+    give_up = watch = None
+    if max_restarts > 0:
+        nodes = launch.get("nodes") or {}
+        node = f"node {nodes.get('node_rank') or 0} ({socket.gethostname()})"
+        watch = RestartWatch(run_dir, max_restarts, stall_seconds, lambda line: _log(log, line), node)
+        returncode, give_up = _wait_restarting(job, run_dir, watch, log)
+    else:
+        returncode = _wait_watching(job, run_dir, stall_seconds, log)
+    _record_exit(run_dir, status, returncode, give_up, watch, max_restarts, log)
+    return 0
 
+
+def _start_job(run_dir: Path, launch: dict, status: dict, log) -> subprocess.Popen | None:
+    """The job (launch.json's `job_cmd`) in its own session, its output in the run's log; None, with the
+    run recorded as failed, when its interpreter or program cannot be started."""
     env = {
         **os.environ,
         **launch.get("env", {}),
@@ -183,7 +207,7 @@ def _supervise(run_dir: Path, log) -> int:
     cmd = launch["job_cmd"]
     _log(log, f"starting job: {' '.join(cmd)}")
     try:
-        job = subprocess.Popen(
+        return subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -209,7 +233,11 @@ def _supervise(run_dir: Path, log) -> int:
             diagnosis_kind="missing_interpreter",
             evidence=[message],
         )
-        return 1
+        return None
+
+
+def _forward_signals(job: subprocess.Popen, log) -> None:
+    """SIGTERM and SIGINT sent to the supervisor go on to the job's process group."""
 
     def forward(signum, _frame):  # `stop` signals the job directly; a signal to us is passed on
         _log(log, f"received {signal.Signals(signum).name}; forwarding to the job")
@@ -218,19 +246,19 @@ def _supervise(run_dir: Path, log) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    status = _record(
-        run_dir, status, state="running", job_pid=job.pid, job_pgid=job.pid, job_started=start_time(job.pid)
-    )
-    stall_seconds = float(launch.get("stall_seconds", 600))
-    max_restarts = int(launch.get("max_restarts") or 0)
-    give_up = watch = None
-    if max_restarts > 0:
-        nodes = launch.get("nodes") or {}
-        node = f"node {nodes.get('node_rank') or 0} ({socket.gethostname()})"
-        watch = RestartWatch(run_dir, max_restarts, stall_seconds, lambda line: _log(log, line), node)
-        returncode, give_up = _wait_restarting(job, run_dir, watch, log)
-    else:
-        returncode = _wait_watching(job, run_dir, stall_seconds, log)
+
+
+def _record_exit(
+    run_dir: Path,
+    status: dict,
+    returncode: int,
+    give_up: str | None,
+    watch: RestartWatch | None,
+    max_restarts: int,
+    log,
+) -> None:
+    """The job's end, diagnosed (a forced stop, the restarts it took, a repeated failure), logged and
+    recorded as the run's final state."""
     sig = signal_name(returncode)
     (run_dir / RESERVE_NAME).unlink(missing_ok=True)  # room for what follows, on a disk the job filled
     forced = (read_json(run_dir / "status.json") or status).get("forced_stop")
@@ -264,7 +292,6 @@ def _supervise(run_dir: Path, log) -> int:
         diagnosis_kind=diagnosis.kind,
         evidence=diagnosis.evidence,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,24 +30,6 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key} {value}"
 
 
-def read_metrics(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (only those of `kind`, "train" or "eval", when given), also of one still
-    being written or cut short by a crash: a torn line is left out; a missing file has no rows."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and (kind is None or row.get("kind") == kind):
-            rows.append(row)
-    return rows
-
-
 def truncate_after(path: Path, step: int) -> None:
     """Keep the rows of `path` up to `step` (and drop a torn last line), rewritten atomically."""
     if not path.is_file():

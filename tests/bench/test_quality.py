@@ -12,9 +12,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.data.stdlib_prompts import split_prompts, stdlib_prompts, write_prompt_files
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import save_tiny_target
 
 QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>"]
 # The chain target's greedy answer to any prompt ending in "\n" (the Qwen template's generation prompt):

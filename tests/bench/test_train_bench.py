@@ -7,7 +7,7 @@ import torch
 
 from flashdraft.bench import train_bench
 from flashdraft.errors import FlashdraftError
-from flashdraft.train.metrics import read_metrics
+from flashdraft.run_protocol import read_metrics
 
 
 def test_a_random_target_that_does_not_fit_the_disk_is_refused_before_writing(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.tiny import save_tiny_target
+from flashdraft.model.tiny import save_tiny_target
 
 from .helpers import make_tokenizer
 

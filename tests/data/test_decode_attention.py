@@ -12,11 +12,11 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import flashdraft.generate.decode_attention as decode_attention
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.decode_attention import KERNELS, use_decode_attention
 from flashdraft.generate.static import StaticEngine
+from flashdraft.model.tiny import build_model, tiny_config
 
 FORWARDS = {kernel: decode_attention._FORWARDS[kernel] for kernel in KERNELS}
 
@@ -189,7 +189,7 @@ def test_on_cuda_in_bf16_the_kernels_agree_with_sdpa_and_graphs_equal_eager(kern
 
 def test_bench_regen_step_time_reports_each_attention_and_refuses_a_bad_size(tmp_path, capsys):
     from flashdraft.bench.regen_bench import engine_timing, main
-    from flashdraft.bench.tiny import save_tiny_target
+    from flashdraft.model.tiny import save_tiny_target
 
     target = save_tiny_target(tmp_path / "t", "llama", vocab_size=64, hidden_size=32, num_layers=1)
     with pytest.raises(FlashdraftError, match=r"^--step-time '8by16': expected ROWSxCOLUMNS"):

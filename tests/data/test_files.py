@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import read_journal
 from flashdraft.data.shards import write_shards
 from flashdraft.data.tokens import load_token_dataset
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import save_tiny_target
 from flashdraft.run.doctor import _data
 from flashdraft.train.trainer import train
 from tests.filesystems import tmpfs

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.data.regenerate import read_journal
 from flashdraft.data.shards import open_shards
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import save_tiny_target
 from flashdraft.train.trainer import train
 
 from .helpers import fake_chat_server, make_tokenizer

@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
 from flashdraft.data.render import end_of_turn_id
 from flashdraft.data.stops import stop_token_ids
@@ -19,6 +18,7 @@ from flashdraft.generate.engines import (
     cut_at_stop,
     vllm_available,
 )
+from flashdraft.model.tiny import build_model, tiny_config
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 from .helpers import make_tokenizer

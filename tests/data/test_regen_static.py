@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.engines import HFGenerateEngine, choose_engine, cut_at_stop, vllm_available
 from flashdraft.generate.static import StaticEngine, unsupported_reason
+from flashdraft.model.tiny import build_model, tiny_config
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 NEW = 10

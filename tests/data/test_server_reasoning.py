@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.data.regenerate import read_journal
 from flashdraft.data.render import reasoning_placement, render_conversation
 from flashdraft.data.shards import open_shards
+from flashdraft.model.tiny import save_tiny_target
 
 from .helpers import QWEN_TEMPLATE, fake_chat_server, make_char_tokenizer, supervised_spans
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.data.chat import normalise
 from flashdraft.data.regenerate import read_journal
 from flashdraft.data.shards import open_shards
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import save_tiny_target
 
 from .helpers import fake_chat_server, make_char_tokenizer, supervised_spans
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.data.shards import JOURNAL, manifest_files, read_manifest, write_shards
 from flashdraft.data.tokens import EpochSampler, collate, load_token_dataset
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import save_tiny_target
 from flashdraft.run.doctor import _data
 
 from .helpers import make_tokenizer

@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from flashdraft.bench.tiny import tiny_config
 from flashdraft.config import load_config
 from flashdraft.distributed.target_parallel import check_divisible, check_group_size, layer_plan
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import tiny_config
 from flashdraft.train.resume import check_resume_config
 from tests.distributed.tp_features_worker import LAYER_IDS, inputs
 from tests.processes import run_or_dump

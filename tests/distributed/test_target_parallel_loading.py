@@ -20,11 +20,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashdraft.bench.tiny import build_model, save_tiny_target, tiny_config
 from flashdraft.distributed import shard_loading
 from flashdraft.distributed.shard_loading import ShardLoadUnsupported, checkpoint_names, empty_model
 from flashdraft.distributed.target_parallel import load_group_target
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.tiny import build_model, save_tiny_target, tiny_config
 
 LAYER_IDS = [0, 2, 5]
 NOTICE = "loading the whole target on each rank of its group"

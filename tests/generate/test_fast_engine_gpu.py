@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import build_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 VOCAB = 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
+from flashdraft.model.tiny import build_model, tiny_config
 from flashdraft.generate.fast import FastEngine, unsupported_reason
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter import DFlashDraftModel

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import Sampling
 from flashdraft.data.stops import target_stop_ids
 from flashdraft.generate.speculative import generate
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import save_tiny_target
 
 VOCAB = 64
 PROMPTS = [[1, 2, 3, 4], [9, 8, 7]]

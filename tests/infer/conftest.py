@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flashdraft.bench.quickstart import make_target_generated_data
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.config import load_config
+from flashdraft.model.tiny import make_target_generated_data, save_tiny_target
 from flashdraft.train.trainer import train
 
 MASK = 511

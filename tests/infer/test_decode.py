@@ -110,10 +110,10 @@ def test_sampled_speculative_decoding_follows_the_target_distribution(tmp_path, 
     through drafting, rejection and bonus sampling) match the target's exact marginals (TV < 0.06; the
     sampling noise of 2,000 draws over 24 outcomes is about 0.03). The eager loop runs them one after
     another from one generator; the fast engine 16 rows at a time, prompt i seeded with i."""
-    from flashdraft.bench.tiny import save_tiny_target
     from flashdraft.generate.fast import FastEngine
     from flashdraft.model.drafter import DFlashDraftModel
     from flashdraft.model.drafter_dir import make_drafter_config
+    from flashdraft.model.tiny import save_tiny_target
 
     target_dir = save_tiny_target(
         tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
+from flashdraft.model.tiny import save_tiny_target
 
 VOCAB = 64
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.generate.speculative import generate
 from flashdraft.infer import evaluate
 from flashdraft.infer.evaluate import tie_tolerance, ulp
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import save_tiny_target
 
 VOCAB = 64
 PROMPT = [5, 9, 17, 33]

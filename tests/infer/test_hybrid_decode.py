@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.speculative import generate
 from flashdraft.model import target as target_module
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.target import DecodingCache, TargetModel
+from flashdraft.model.tiny import build_model, tiny_config
 
 VOCAB = 64
 MASK = VOCAB - 1

@@ -332,8 +332,8 @@ def test_sampled_selector_decoding_follows_the_target_distribution(tmp_path):
     """1,500 seeded runs at T=1 over a 24-token vocabulary: the 2nd and 3rd generated tokens, which pass
     through the selector's sampled path, rejection against its q rows and residual sampling, follow the
     target's exact marginals (TV < 0.07; sampling noise alone is about 0.035)."""
-    from flashdraft.bench.tiny import save_tiny_target
     from flashdraft.model.drafter_dir import make_drafter_config, new_drafter
+    from flashdraft.model.tiny import save_tiny_target
 
     target_dir = save_tiny_target(
         tmp_path / "t", "qwen3", vocab_size=24, hidden_size=32, num_layers=4, seed=3

@@ -86,7 +86,7 @@ def test_missing_mask_id(drafter_dir):
 
 
 def test_hidden_size_mismatch_with_target(drafter_dir, target_dirs):
-    from flashdraft.bench.tiny import save_tiny_target
+    from flashdraft.model.tiny import save_tiny_target
 
     wide = save_tiny_target(drafter_dir.parent / "wide", "qwen3", hidden_size=128)
     assert "hidden_size" in _error(drafter_dir, target=load_target_config(wide))
@@ -158,7 +158,7 @@ def test_init_defaults_follow_the_paper(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from flashdraft.bench.tiny import save_tiny_target
+    from flashdraft.model.tiny import save_tiny_target
 
     vocab = {f"t{i}": i for i in range(290)}
     tok = PreTrainedTokenizerFast(
@@ -186,7 +186,7 @@ def test_init_defaults_follow_the_paper(tmp_path):
 @pytest.fixture()
 def own_target(tmp_path) -> Path:
     """A private target: these tests try to overwrite it, so never the shared one."""
-    from flashdraft.bench.tiny import save_tiny_target
+    from flashdraft.model.tiny import save_tiny_target
 
     return save_tiny_target(tmp_path / "target", "qwen3", num_layers=2, hidden_size=32)
 

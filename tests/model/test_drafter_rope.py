@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.bench.tiny import tiny_config
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import load_drafter, make_drafter_config, save_drafter
+from flashdraft.model.tiny import tiny_config
 
 
 def test_bf16_drafter_keeps_fp32_rotary_frequencies(tmp_path):

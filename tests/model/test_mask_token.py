@@ -9,10 +9,10 @@ import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from flashdraft.bench.tiny import save_tiny_target
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter_dir import resolve_mask_token_id
 from flashdraft.model.target import load_target_config
+from flashdraft.model.tiny import save_tiny_target
 
 WORDS = ["[UNK]", "user", "assistant", "system", "\n", " ", "hi", "ok"]
 TEMPLATE = (

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from flashdraft.bench.quickstart import quickstart
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
+from flashdraft.quickstart.flow import quickstart
 from flashdraft.train.checkpoint import find_resume, list_checkpoints
 from flashdraft.train.trainer import train
 from tests.filesystems import tmpfs

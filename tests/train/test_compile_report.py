@@ -56,7 +56,8 @@ def test_the_compile_record_goes_to_metrics_jsonl_and_not_to_the_console(tmp_pat
     training rows; the console keeps its one-line summary."""
     from dataclasses import asdict
 
-    from flashdraft.train.metrics import MetricsLogger, read_metrics
+    from flashdraft.run_protocol import read_metrics
+    from flashdraft.train.metrics import MetricsLogger
 
     logger = MetricsLogger(tmp_path, total_steps=2, tensorboard=False)
     graph = compile_report.CompiledGraph("forward", "0/0", 2.0, 3.0, 1.0, {"forward.gc_time": 0.1})

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.durable import atomic_directory, atomic_write_json
+from flashdraft.model.tiny import build_model, tiny_config
 
 MASK_TOKEN = "<|mask|>"  # reserved for the drafter: never in the text the model is trained on
 RECORD_NAME = "tiny-lm.json"  # what was trained and how well, beside the weights
