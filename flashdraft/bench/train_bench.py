@@ -42,9 +42,9 @@ from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.spec import build_target_layer_ids
 from flashdraft.model.target import TargetModel
+from flashdraft.run_protocol import read_metrics
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
-from flashdraft.run_protocol import read_metrics
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 

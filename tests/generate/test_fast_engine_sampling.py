@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashdraft.model.tiny import build_model, tiny_config
 from flashdraft.generate.fast import FastEngine, unsupported_reason
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import build_model, tiny_config
 
 VOCAB = 64
 NEW = 23  # not a multiple of the block: the last blocks are cut
