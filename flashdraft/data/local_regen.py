@@ -98,7 +98,10 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
         return LocalEngine(
             VllmEngine(job.target, job.sampling, stops, torch.device(device)), tokenizer, job.thinking, stops
         )
-    model = load_causal_lm(job.target, device, attention="sdpa")
+    from flashdraft.progress import phase
+
+    with phase(f"loading the target {job.target} on {device}"):
+        model = load_causal_lm(job.target, device, attention="sdpa")
     note = None
     reason = unsupported_reason(model) if job.engine == "static" and job.auto else None
     if reason:

@@ -135,7 +135,10 @@ def prepare(
     if settings.regenerate and not settings.server_url:
         local = local_regeneration(target, sampling, settings)
     phases.mark("checks")
-    tokenizer = load_target_tokenizer(target, required=True)
+    from flashdraft.progress import phase, track
+
+    with phase(f"loading the tokenizer of {target}"):
+        tokenizer = load_target_tokenizer(target, required=True)
     phases.mark("tokenizer")
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
@@ -158,24 +161,26 @@ def prepare(
         skip(exc)
 
     conversations, records_read = [], 0
-    for record, where in iter_records(inputs, unreadable if settings.skip_bad_records else None):
-        if settings.limit and len(conversations) >= settings.limit:
-            break
-        records_read += 1
-        try:
-            conv = normalise(record, where)
-            if conv.messages is None:
-                raise FlashdraftError(
-                    f"{where}: pre-tokenized records cannot be rendered; give conversations"
-                )
-            check_renders(tokenizer, conv.messages, settings.thinking, where)
-        except FlashdraftError as exc:
-            bad(exc)
-            continue
-        if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
-            dropped["no assistant turn"] += 1
-            continue
-        conversations.append((conv.messages, where))
+    with track("reading and checking conversations", None, unit="conversation") as reading:
+        for record, where in iter_records(inputs, unreadable if settings.skip_bad_records else None):
+            if settings.limit and len(conversations) >= settings.limit:
+                break
+            records_read += 1
+            reading.advance()
+            try:
+                conv = normalise(record, where)
+                if conv.messages is None:
+                    raise FlashdraftError(
+                        f"{where}: pre-tokenized records cannot be rendered; give conversations"
+                    )
+                check_renders(tokenizer, conv.messages, settings.thinking, where)
+            except FlashdraftError as exc:
+                bad(exc)
+                continue
+            if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
+                dropped["no assistant turn"] += 1
+                continue
+            conversations.append((conv.messages, where))
     phases.mark("read_and_check")
 
     sampling_record = server_requests = None
@@ -295,8 +300,6 @@ def prepare(
     workers = render_workers(settings.render_workers, len(jobs))
     if workers > 1:
         console.print(f"rendering {len(jobs)} conversations in {workers} processes")
-    from flashdraft.progress import track
-
     with track("rendering", len(jobs), unit="conversation") as bar:
         for outcome in render_all(tokenizer, jobs, rules, workers):
             bar.advance()
