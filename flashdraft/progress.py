@@ -32,6 +32,8 @@ MODES = ("rich", "plain", "off")
 # A log line every 10 s: often enough that a watcher (and a stall check) sees movement, rare enough that a
 # long run's log stays readable.
 DEFAULT_INTERVAL_S = 10.0
+# A phase (`phase()`) is named in a log once it has run this long: a quick one leaves no line.
+ANNOUNCE_AFTER_S = 2.0
 
 # rich allows one live display at a time: a bar drawn while another is live goes to plain lines instead.
 _live_lock = threading.Lock()
@@ -80,6 +82,7 @@ class Progress:
         mode: str | None = None,
         interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        announce_after: float | None = None,
     ):
         self.label = label
         self.total = total
@@ -90,6 +93,7 @@ class Progress:
         if self.mode not in MODES:
             raise ValueError(f"progress mode {self.mode!r}: expected one of {MODES}")
         self.interval = DEFAULT_INTERVAL_S if interval is None else interval
+        self.announce_after = announce_after
         self.clock = clock
         self.done = 0
         self.tokens = 0
@@ -219,16 +223,26 @@ class Progress:
             with self._lock:
                 if self._closed:
                     return
-                if self.mode != "plain" or self.clock() - self._last_line >= self.interval:
+                now = self.clock()
+                if self.mode == "plain" and self.announce_after is not None and not self._lines:
+                    if now - self.started >= self.announce_after:  # a phase that lasts: say what runs
+                        self._last_line = now
+                        self._write(f"{self.label} ...")
+                        self._lines += 1
+                elif self.mode != "plain" or now - self._last_line >= self.interval:
                     self._update()
 
     def _until_next_line(self) -> float:
         """Seconds until the next line is due: an interval after the last line, not after the last tick (a
-        line written by `advance` between two ticks would otherwise leave almost two intervals of silence)."""
+        line written by `advance` between two ticks would otherwise leave almost two intervals of silence);
+        a phase's first line is due `announce_after` seconds in."""
         if self.mode != "plain":
             return self.interval
         with self._lock:
-            return max(0.05, self._last_line + self.interval - self.clock())
+            due = self._last_line + self.interval
+            if self.announce_after is not None and not self._lines:
+                due = min(due, self.started + self.announce_after)
+            return max(0.05, due - self.clock())
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed log never stops the work
@@ -292,7 +306,7 @@ class Progress:
                 TextColumn("{task.fields[fields]}"),
                 TimeElapsedColumn(),
                 console=Console(file=self.stream),
-                transient=False,
+                transient=True,  # a spinner while it runs; the lines after it say what came of it
             )
             self._task = self._rich.add_task(self.label, total=None, fields="")
             self._rich.start()
@@ -343,12 +357,20 @@ def phase(
     mode: str | None = None,
     interval: float | None = None,
 ) -> Iterator[Progress]:
-    """A step with nothing to count (loading a model, importing torch, writing files): `label ...` at once,
-    then a line every interval while it runs (a spinner on a terminal) and `label: done in 0:34` at the end
-    when it took that long, so no long phase is silent (docs/progress.md)."""
-    bar = Progress(label, None, "", heartbeat, stream=stream, mode=mode, interval=interval)
-    if bar.mode == "plain":
-        bar.note(f"{label} ...")
+    """A step with nothing to count (loading a model, importing torch, writing files). In a log: `label ...`
+    once it has run `ANNOUNCE_AFTER_S`, then `label: elapsed 0:12` every interval, and `label: done in 0:34`
+    at the end, so no long phase is silent and a quick one leaves nothing; on a terminal a spinner while it
+    runs (docs/progress.md)."""
+    bar = Progress(
+        label,
+        None,
+        "",
+        heartbeat,
+        stream=stream,
+        mode=mode,
+        interval=interval,
+        announce_after=ANNOUNCE_AFTER_S,
+    )
     try:
         yield bar
     finally:
