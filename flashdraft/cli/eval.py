@@ -49,7 +49,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     drafter = _drafter(args.drafter, "--drafter")
     if not Path(args.prompts).exists():  # data/sources.py's wording, before torch loads
         raise FlashdraftError(f"{args.prompts}: no such file")
-    start_models(threads_of(args), args.device)
+    start_models(threads_of(args), args.device, "flashdraft.infer.evaluate")
     from flashdraft.infer.evaluate import run_eval
 
     run_eval(

@@ -123,7 +123,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if config.model.target:
             check_target(config.model.target)
         _check_data_paths(config)
-    start_models(threads_of(args), config.train.device if config is not None else "auto")
+    start_models(
+        threads_of(args), config.train.device if config is not None else "auto", "flashdraft.train.job"
+    )
     from flashdraft.train.job import run_job
 
     run_job(path, overrides)
