@@ -261,6 +261,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per regenerated answer")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of the launched run")
     parser.add_argument("--batch-size", type=int, default=0, help="prepare --batch-size (0: its default)")
+    parser.add_argument(
+        "--block-size", type=int, default=0, help="model.block_size of the run (0: the starter config's)"
+    )
     parser.add_argument("--eval-prompts", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep an existing WORK (its target is reused)")
     args = parser.parse_args()
@@ -343,6 +346,8 @@ def main() -> None:
     runs = w / "runs"
     every = str(max(1, args.steps // 2))
     overrides = [f"train.max_steps={args.steps}", f"train.eval_every={every}", f"train.save_every={every}"]
+    # a sample needs a supervised token with a whole block after it: answers capped short need short blocks
+    overrides += [f"model.block_size={args.block_size}"] if args.block_size else []
     step("launch", [*fd, "launch", str(config), "--runs-dir", str(runs), "--name", "walk", *overrides])
     run = sorted(p for p in runs.iterdir() if p.is_dir())[-1]
     step("status", [*fd, "status", run.name, "--runs-dir", str(runs)])
