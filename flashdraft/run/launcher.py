@@ -320,7 +320,8 @@ def launch(
     except FlashdraftError as exc:
         return _fail(run_dir, log, str(exc))
     atomic_write_text(run_dir / "config.yaml", dump_yaml(config))
-    launch_record["gpus"] = _gpus(config.train.device, env, nproc_per_node)
+    with phase("looking for the run's GPUs"):  # device auto imports torch: 14 s on a busy machine
+        launch_record["gpus"] = _gpus(config.train.device, env, nproc_per_node)
     write_json(run_dir / "launch.json", launch_record)
 
     if doctor:
