@@ -271,11 +271,16 @@ class Progress:
 
     # --- rich ----------------------------------------------------------------------------------------
     def _rich_fields(self) -> str:
+        """The bar's text after the percentage: tokens/s, the fields, and the ETA at the step's average rate
+        (rich's own estimate follows the last 30 s, so a batch of answers ending at once reads as ETA 0:01)."""
         parts = []
         token_rate = self.token_rate()
         if token_rate is not None:
             parts.append(f"{_format_count(token_rate)} tokens/s")
         parts.extend(f"{k}={_format_field(v)}" for k, v in self.fields.items())
+        if self.unit and self.total is not None:
+            eta = self.eta()
+            parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA ?")
         return "  ".join(parts)
 
     def _start_rich(self) -> None:
@@ -292,7 +297,6 @@ class Progress:
             TaskProgressColumn,
             TextColumn,
             TimeElapsedColumn,
-            TimeRemainingColumn,
         )
         from rich.progress import Progress as RichProgress
 
@@ -317,10 +321,8 @@ class Progress:
             MofNCompleteColumn(),
             TextColumn(unit),
             TaskProgressColumn(),
-            TextColumn("{task.fields[fields]}"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("{task.fields[fields]}"),
             console=Console(file=self.stream),
             transient=False,
         )

@@ -208,3 +208,14 @@ def test_plain_lines_follow_the_last_line_not_the_last_tick() -> None:
             time.sleep(0.005)
         gap = time.monotonic() - written
     assert 0.9 < gap < 1.5, f"{gap:.2f} s after the advance's line"
+
+
+def test_the_bar_eta_is_the_average_rate_not_the_last_burst() -> None:
+    """16 answers ending at once after 90 s of a 163-answer step: rich's own estimate (the last 30 s) read
+    ETA 0:01; the bar shows the ETA at the step's average rate, as the plain line does."""
+    clock = FakeClock()
+    bar = Progress("regenerating", 163, "answer", stream=io.StringIO(), mode="off", clock=clock)
+    clock.now += 90
+    bar.advance(16, tokens=256)
+    assert bar._rich_fields() == "2.84 tokens/s  ETA 13:47"
+    assert "ETA 13:47" in bar.line()
