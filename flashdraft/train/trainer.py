@@ -96,7 +96,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
         (train.max_minutes) or a stop request."""
-        # a line at least every 10 s between the metric rows (steps of seconds each on a CPU), main rank only
+        # a line at least every 8 s between the metric rows (steps of seconds each on a CPU), main rank only
         self.steps_progress = Progress(
             "training" if not self.state.step else f"training from step {self.state.step}",
             self.data.total_steps - self.state.step,
