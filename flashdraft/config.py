@@ -374,7 +374,8 @@ class PrepareSettings:
     concurrency: int = doc(16, "requests in flight to the server", "positive_int")
     batch_size: int = doc(
         0,
-        "rows per batch of in-process generation (default: from free GPU memory; 64 on the CPU)",
+        "rows per batch of in-process generation (default: from free GPU memory; on the CPU 16, each batch "
+        "journaled as it ends)",
         "positive_int",
     )
     device: str = doc(

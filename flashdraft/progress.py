@@ -29,9 +29,12 @@ from typing import Any, TextIO
 
 MODE_ENV = "FLASHDRAFT_PROGRESS"
 MODES = ("rich", "plain", "off")
-# A log line every 10 s: often enough that a watcher (and a stall check) sees movement, rare enough that a
-# long run's log stays readable.
-DEFAULT_INTERVAL_S = 10.0
+# A log line every 8 s: often enough that a watcher (and a stall check) sees movement and that a log is never
+# silent for 10 s even when the ticker thread gets the CPU late on a busy machine (the newcomer walk saw
+# 10.03 s at a 10 s interval, docs/newcomer-walk.md), rare enough that a long run's log stays readable.
+DEFAULT_INTERVAL_S = 8.0
+# A phase (`phase()`) is named in a log once it has run this long: a quick one leaves no line.
+ANNOUNCE_AFTER_S = 2.0
 
 # rich allows one live display at a time: a bar drawn while another is live goes to plain lines instead.
 _live_lock = threading.Lock()
@@ -80,6 +83,7 @@ class Progress:
         mode: str | None = None,
         interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        announce_after: float | None = None,
     ):
         self.label = label
         self.total = total
@@ -90,6 +94,7 @@ class Progress:
         if self.mode not in MODES:
             raise ValueError(f"progress mode {self.mode!r}: expected one of {MODES}")
         self.interval = DEFAULT_INTERVAL_S if interval is None else interval
+        self.announce_after = announce_after
         self.clock = clock
         self.done = 0
         self.tokens = 0
@@ -147,7 +152,16 @@ class Progress:
         return state
 
     def line(self, final: bool = False) -> str:
-        """The plain-mode line: `label: 3/10 answers (30%), 0.5 answers/s, 41.2 tokens/s, ETA 0:14, tau=3.1`."""
+        """The plain-mode line: `label: 3/10 answers (30%), 0.5 answers/s, 41.2 tokens/s, ETA 0:14, tau=3.1`;
+        a phase's (`phase()`: no unit): `label: elapsed 0:20` and at the end `label: done in 0:34`."""
+        if not self.unit:
+            parts = [
+                f"done in {format_duration(self.elapsed())}"
+                if final
+                else f"elapsed {format_duration(self.elapsed())}"
+            ]
+            parts.extend(f"{k}={_format_field(v)}" for k, v in self.fields.items())
+            return f"{self.label}: " + ", ".join(parts)
         unit = self.unit if self.unit.endswith("s") else f"{self.unit}s"
         if self.total is not None:
             percent = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
@@ -206,12 +220,30 @@ class Progress:
                 self._lines += 1
 
     def _tick(self) -> None:
-        while not self._stop_ticker.wait(self.interval):
+        while not self._stop_ticker.wait(self._until_next_line()):
             with self._lock:
                 if self._closed:
                     return
-                if self.mode != "plain" or self.clock() - self._last_line >= self.interval:
+                now = self.clock()
+                if self.mode == "plain" and self.announce_after is not None and not self._lines:
+                    if now - self.started >= self.announce_after:  # a phase that lasts: say what runs
+                        self._last_line = now
+                        self._write(f"{self.label} ...")
+                        self._lines += 1
+                elif self.mode != "plain" or now - self._last_line >= self.interval:
                     self._update()
+
+    def _until_next_line(self) -> float:
+        """Seconds until the next line is due: an interval after the last line, not after the last tick (a
+        line written by `advance` between two ticks would otherwise leave almost two intervals of silence);
+        a phase's first line is due `announce_after` seconds in."""
+        if self.mode != "plain":
+            return self.interval
+        with self._lock:
+            due = self._last_line + self.interval
+            if self.announce_after is not None and not self._lines:
+                due = min(due, self.started + self.announce_after)
+            return max(0.05, due - self.clock())
 
     def _write(self, text: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed log never stops the work
@@ -240,11 +272,16 @@ class Progress:
 
     # --- rich ----------------------------------------------------------------------------------------
     def _rich_fields(self) -> str:
+        """The bar's text after the percentage: tokens/s, the fields, and the ETA at the step's average rate
+        (rich's own estimate follows the last 30 s, so a batch of answers ending at once reads as ETA 0:01)."""
         parts = []
         token_rate = self.token_rate()
         if token_rate is not None:
             parts.append(f"{_format_count(token_rate)} tokens/s")
         parts.extend(f"{k}={_format_field(v)}" for k, v in self.fields.items())
+        if self.unit and self.total is not None:
+            eta = self.eta()
+            parts.append(f"ETA {format_duration(eta)}" if eta is not None else "ETA ?")
         return "  ".join(parts)
 
     def _start_rich(self) -> None:
@@ -261,21 +298,32 @@ class Progress:
             TaskProgressColumn,
             TextColumn,
             TimeElapsedColumn,
-            TimeRemainingColumn,
         )
         from rich.progress import Progress as RichProgress
 
         unit = self.unit if self.unit.endswith("s") else f"{self.unit}s"
+        if not self.unit:  # a phase: what runs and for how long, nothing to count
+            from rich.progress import SpinnerColumn
+
+            self._rich = RichProgress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                TextColumn("{task.fields[fields]}"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream),
+                transient=True,  # a spinner while it runs; the lines after it say what came of it
+            )
+            self._task = self._rich.add_task(self.label, total=None, fields="")
+            self._rich.start()
+            return
         self._rich = RichProgress(
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn(unit),
             TaskProgressColumn(),
-            TextColumn("{task.fields[fields]}"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("{task.fields[fields]}"),
             console=Console(file=self.stream),
             transient=False,
         )
@@ -297,6 +345,35 @@ def track(
 ) -> Iterator[Progress]:
     """Report a step's progress for the `with` block; the final line is written however the block ends."""
     bar = Progress(label, total, unit, heartbeat, stream=stream, mode=mode, interval=interval, clock=clock)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+@contextlib.contextmanager
+def phase(
+    label: str,
+    heartbeat: Callable[..., Any] | None = None,
+    *,
+    stream: TextIO | None = None,
+    mode: str | None = None,
+    interval: float | None = None,
+) -> Iterator[Progress]:
+    """A step with nothing to count (loading a model, importing torch, writing files). In a log: `label ...`
+    once it has run `ANNOUNCE_AFTER_S`, then `label: elapsed 0:12` every interval, and `label: done in 0:34`
+    at the end, so no long phase is silent and a quick one leaves nothing; on a terminal a spinner while it
+    runs (docs/progress.md)."""
+    bar = Progress(
+        label,
+        None,
+        "",
+        heartbeat,
+        stream=stream,
+        mode=mode,
+        interval=interval,
+        announce_after=ANNOUNCE_AFTER_S,
+    )
     try:
         yield bar
     finally:

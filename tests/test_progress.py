@@ -10,10 +10,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
-from flashdraft.progress import Progress, choose_mode, format_duration, track
+from flashdraft.progress import Progress, choose_mode, format_duration, phase, track
 
 
 class FakeClock:
@@ -169,3 +170,52 @@ def test_a_terminal_gets_a_rich_bar() -> None:
     assert "tensors" in text
     assert "converting: " not in text  # not the plain-mode line
     assert text.rstrip().endswith("DONE")
+
+
+def test_a_phase_that_lasts_is_named_then_ticks_and_says_when_it_ended(monkeypatch) -> None:
+    """A step with nothing to count (loading a model): named once it has run ANNOUNCE_AFTER_S, a line each
+    interval while it runs, the time it took at the end; a quick phase leaves nothing (an error right after
+    it stays the only line on stderr)."""
+    monkeypatch.setattr("flashdraft.progress.ANNOUNCE_AFTER_S", 0.05)
+    out = io.StringIO()
+    with phase("loading the target t", stream=out, mode="plain", interval=0.1):
+        deadline = time.monotonic() + 60
+        while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "loading the target t ..."
+    assert lines[1].startswith("loading the target t: elapsed 0:0")
+    assert lines[-1].startswith("loading the target t: done in 0:0")
+    monkeypatch.setattr("flashdraft.progress.ANNOUNCE_AFTER_S", 30)
+    quick = io.StringIO()
+    with phase("quick", stream=quick, mode="plain", interval=60):
+        time.sleep(0.05)
+    assert quick.getvalue() == ""
+
+
+def test_plain_lines_follow_the_last_line_not_the_last_tick() -> None:
+    """A line written by an advance just after a tick: the next line comes one interval after it (a ticker
+    on a fixed beat would skip its next tick as too early and leave almost two intervals of silence)."""
+    out = io.StringIO()
+    with track("x", total=100, stream=out, mode="plain", interval=1.0) as bar:
+        while not out.getvalue():  # the first tick's line
+            time.sleep(0.005)
+        bar.interval = 0  # the advance writes its line at once
+        bar.advance()
+        bar.interval = 1.0
+        written = time.monotonic()
+        while out.getvalue().count("\n") < 3:
+            time.sleep(0.005)
+        gap = time.monotonic() - written
+    assert 0.9 < gap < 1.5, f"{gap:.2f} s after the advance's line"
+
+
+def test_the_bar_eta_is_the_average_rate_not_the_last_burst() -> None:
+    """16 answers ending at once after 90 s of a 163-answer step: rich's own estimate (the last 30 s) read
+    ETA 0:01; the bar shows the ETA at the step's average rate, as the plain line does."""
+    clock = FakeClock()
+    bar = Progress("regenerating", 163, "answer", stream=io.StringIO(), mode="off", clock=clock)
+    clock.now += 90
+    bar.advance(16, tokens=256)
+    assert bar._rich_fields() == "2.84 tokens/s  ETA 13:47"
+    assert "ETA 13:47" in bar.line()

@@ -24,7 +24,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise FlashdraftError("convert: give either GGUF_FILE or --from-package NAME (exactly one)")
     if args.gguf is not None and not Path(args.gguf).exists():
         raise FlashdraftError(f"GGUF_FILE {args.gguf}: no such file")
-    start_models(threads_of(args), "cpu")  # dequantizing runs on the CPU
+    start_models(threads_of(args), "cpu", "flashdraft.model.gguf")  # dequantizing runs on the CPU
     from flashdraft.model.gguf import convert_gguf, package_gguf
 
     source = args.gguf if args.gguf is not None else package_gguf(args.from_package)
@@ -46,7 +46,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if not device_is_well_formed(settings.device):  # data/local_regen.py's wording
         raise FlashdraftError(f"--device {settings.device!r}: expected auto, cpu, cuda or cuda:N")
     settings.threads = threads_of(args)
-    start_models(settings.threads, settings.device)
+    heavy = ["flashdraft.data.prepare"] + (["flashdraft.data.local_regen"] if settings.regenerate else [])
+    start_models(settings.threads, settings.device, *heavy)
     from flashdraft.data.prepare import prepare
     from flashdraft.phases import PhaseClock
 

@@ -49,7 +49,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     drafter = _drafter(args.drafter, "--drafter")
     if not Path(args.prompts).exists():  # data/sources.py's wording, before torch loads
         raise FlashdraftError(f"{args.prompts}: no such file")
-    start_models(threads_of(args), args.device)
+    start_models(threads_of(args), args.device, "flashdraft.infer.evaluate")
     from flashdraft.infer.evaluate import run_eval
 
     run_eval(
@@ -73,19 +73,23 @@ def cmd_export(args: argparse.Namespace) -> int:
             "and its architecture"
         )
     drafter = _drafter(args.drafter, "DRAFTER")
-    from flashdraft.hf_startup import prepare_transformers
+    from flashdraft.progress import phase
 
-    prepare_transformers()
-    from flashdraft.model.export import export_drafter
+    with phase("loading torch and transformers"):
+        from flashdraft.hf_startup import prepare_transformers
 
-    command = export_drafter(
-        drafter,
-        args.to,
-        args.out,
-        target=args.target,
-        force=args.force,
-        allow_sliding_window=args.allow_sliding_window,
-    )
+        prepare_transformers()
+        from flashdraft.model.export import export_drafter
+
+    with phase(f"exporting {drafter} for {args.to} to {args.out}"):
+        command = export_drafter(
+            drafter,
+            args.to,
+            args.out,
+            target=args.target,
+            force=args.force,
+            allow_sliding_window=args.allow_sliding_window,
+        )
     print(f"wrote the {args.to} export of {drafter} to {args.out}; serve it with:\n  {command}")
     return 0
 

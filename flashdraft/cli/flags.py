@@ -196,16 +196,28 @@ def split_config(config: str | None, overrides: list[str]) -> tuple[str | None, 
     return config, list(overrides)
 
 
-def start_models(threads: int | None, device: str) -> int:
-    """Once the checks have passed: set transformers up (before any model import) and choose the CPU
-    threads for `device` ('auto' is the GPU when there is one). Returns the thread count."""
-    from flashdraft.hf_startup import prepare_transformers
+def start_models(threads: int | None, device: str, *modules: str) -> int:
+    """Once the checks have passed: set transformers up (before any model import), import `modules` (the
+    command's own heavy ones: they pull in transformers' generation and model code, tens of seconds on a
+    busy machine) and choose the CPU threads for `device` ('auto' is the GPU when there is one). Returns
+    the thread count."""
+    from flashdraft.progress import phase
 
-    prepare_transformers()
-    from flashdraft.cpu_threads import configure_threads
+    # importing torch and transformers takes 3 s on an idle machine and 20-40 s on a busy one (the newcomer
+    # walk, docs/newcomer-walk.md): said, and ticking, rather than silent
+    with phase("loading torch and transformers"):
+        from flashdraft.hf_startup import prepare_transformers
 
-    if device == "auto":
+        prepare_transformers()
+        import importlib
+
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return configure_threads(threads, device)
+        for module in modules:
+            importlib.import_module(module)
+
+        from flashdraft.cpu_threads import configure_threads
+
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return configure_threads(threads, device)

@@ -123,7 +123,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         if config.model.target:
             check_target(config.model.target)
         _check_data_paths(config)
-    start_models(threads_of(args), config.train.device if config is not None else "auto")
+    start_models(
+        threads_of(args), config.train.device if config is not None else "auto", "flashdraft.train.job"
+    )
     from flashdraft.train.job import run_job
 
     run_job(path, overrides)
@@ -131,7 +133,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from flashdraft.run.launcher import check_nodes, launch
+    from flashdraft.progress import phase
+
+    with phase("loading the launcher"):  # its imports alone took 15 s on a busy machine
+        from flashdraft.run.launcher import check_nodes, launch
 
     path, overrides = split_config(args.config, args.overrides)
     nodes = check_nodes(
@@ -198,26 +203,30 @@ def cmd_config(args: argparse.Namespace) -> int:
         from flashdraft.outputs import check_output_file
 
         check_output_file(args.out, "--out", force=args.force, inputs={"--target": args.target})
-    from flashdraft.hf_startup import prepare_transformers
+    from flashdraft.progress import phase
 
-    prepare_transformers()
-    if args.machine == "auto":
-        import torch
+    # transformers and the target's config and tokenizer: tens of seconds on a busy machine
+    with phase(f"reading the target {args.target}"):
+        from flashdraft.hf_startup import prepare_transformers
 
-        gpu = torch.cuda.is_available()
-    else:
-        gpu = args.machine == "gpu"
-    from flashdraft.train.starter_config import starter_config, write_starter
+        prepare_transformers()
+        if args.machine == "auto":
+            import torch
 
-    name = Path(args.target).name.removesuffix(".gguf") or "target"
-    text = starter_config(
-        args.target,
-        data=args.data or f"data/{name}-shards",
-        eval_data=args.eval_data,
-        out_dir=args.out_dir or f"runs/{name}",
-        gpu=gpu,
-        mask_token_id=args.mask_token_id,
-    )
+            gpu = torch.cuda.is_available()
+        else:
+            gpu = args.machine == "gpu"
+        from flashdraft.train.starter_config import starter_config, write_starter
+
+        name = Path(args.target).name.removesuffix(".gguf") or "target"
+        text = starter_config(
+            args.target,
+            data=args.data or f"data/{name}-shards",
+            eval_data=args.eval_data,
+            out_dir=args.out_dir or f"runs/{name}",
+            gpu=gpu,
+            mask_token_id=args.mask_token_id,
+        )
     if args.out is None:
         sys.stdout.write(text)
         return 0

@@ -48,10 +48,20 @@ class LocalEngine:
         """The engine's own record (e.g. whether CUDA graphs were captured) for the manifest."""
         return {**self.engine.describe(), **({"note": self.note} if self.note else {})}
 
-    def complete(self, conversations: list[Messages], seeds: list[int]) -> list[tuple]:
-        outputs = self.engine.generate_ids(
-            [prompt_ids(self.tokenizer, m, self.thinking) for m in conversations], seeds
-        )
+    def complete(
+        self,
+        conversations: list[Messages],
+        seeds: list[int],
+        on_answer: Callable[[int, int], None] | None = None,
+    ) -> list[tuple]:
+        """`on_answer(index, tokens)`: called as each answer ends (the engines' `on_answer`), for progress."""
+        prompts = [prompt_ids(self.tokenizer, m, self.thinking) for m in conversations]
+        if on_answer is None:
+            outputs = self.engine.generate_ids(prompts, seeds)
+        else:
+            outputs = self.engine.generate_ids(
+                prompts, seeds, on_answer=lambda i, ids: on_answer(i, len(ids))
+            )
         return [
             (
                 self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -88,7 +98,10 @@ def build_engine(job: LocalJob, device: str, tokenizer=None) -> LocalEngine:
         return LocalEngine(
             VllmEngine(job.target, job.sampling, stops, torch.device(device)), tokenizer, job.thinking, stops
         )
-    model = load_causal_lm(job.target, device, attention="sdpa")
+    from flashdraft.progress import phase
+
+    with phase(f"loading the target {job.target} on {device}"):
+        model = load_causal_lm(job.target, device, attention="sdpa")
     note = None
     reason = unsupported_reason(model) if job.engine == "static" and job.auto else None
     if reason:

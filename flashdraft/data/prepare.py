@@ -171,7 +171,10 @@ def prepare(
     sampling = settings.sampling or Sampling()
     local = check_before_work(inputs, target, out_dir, settings, sampling)
     phases.mark("checks")
-    tokenizer = load_target_tokenizer(target, required=True)
+    from flashdraft.progress import phase
+
+    with phase(f"loading the tokenizer of {target}"):
+        tokenizer = load_target_tokenizer(target, required=True)
     phases.mark("tokenizer")
     if not getattr(tokenizer, "chat_template", None):
         raise FlashdraftError(f"target {target}: its tokenizer has no chat template to render conversations")
@@ -246,25 +249,29 @@ def read_conversations(
 ) -> list[tuple[list[dict], str]]:
     """The conversations of the inputs (up to --limit), each checked to render, with where it was read;
     without --regenerate those with no assistant turn are dropped (nothing to supervise)."""
+    from flashdraft.progress import track
+
     conversations = []
-    for record, where in iter_records(inputs, tally.unreadable if settings.skip_bad_records else None):
-        if settings.limit and len(conversations) >= settings.limit:
-            break
-        tally.records_read += 1
-        try:
-            conv = normalise(record, where)
-            if conv.messages is None:
-                raise FlashdraftError(
-                    f"{where}: pre-tokenized records cannot be rendered; give conversations"
-                )
-            check_renders(tokenizer, conv.messages, settings.thinking, where)
-        except FlashdraftError as exc:
-            tally.bad(exc)
-            continue
-        if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
-            tally.dropped["no assistant turn"] += 1
-            continue
-        conversations.append((conv.messages, where))
+    with track("reading and checking conversations", None, unit="conversation") as reading:
+        for record, where in iter_records(inputs, tally.unreadable if settings.skip_bad_records else None):
+            if settings.limit and len(conversations) >= settings.limit:
+                break
+            tally.records_read += 1
+            reading.advance()
+            try:
+                conv = normalise(record, where)
+                if conv.messages is None:
+                    raise FlashdraftError(
+                        f"{where}: pre-tokenized records cannot be rendered; give conversations"
+                    )
+                check_renders(tokenizer, conv.messages, settings.thinking, where)
+            except FlashdraftError as exc:
+                tally.bad(exc)
+                continue
+            if not any(m["role"] == "assistant" for m in conv.messages) and not settings.regenerate:
+                tally.dropped["no assistant turn"] += 1
+                continue
+            conversations.append((conv.messages, where))
     return conversations
 
 

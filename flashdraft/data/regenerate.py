@@ -16,6 +16,7 @@ import contextlib
 import email.utils
 import hashlib
 import http.client
+import inspect
 import json
 import os
 import random
@@ -23,7 +24,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -174,11 +175,32 @@ class ServerEngine:
                 )
         return FAILED_ANSWER
 
-    def complete(self, conversations: list[Messages], seeds: list[int] | None = None) -> list[Answer]:
+    def complete(
+        self,
+        conversations: list[Messages],
+        seeds: list[int] | None = None,
+        on_answer: Callable[[int, int], None] | None = None,
+    ) -> list[Answer]:
         """One answer per conversation; `seeds` (one per answer) replace the sampling seed, so that repeats
-        of a conversation are sampled apart and an answer does not depend on what it was sent with."""
+        of a conversation are sampled apart and an answer does not depend on what it was sent with.
+        `on_answer(index, 0)` is called as each reply arrives (progress; a server's token count is not kept)."""
+        seeds = seeds or [None] * len(conversations)
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._one, conversations, seeds or [None] * len(conversations)))
+            futures = {
+                pool.submit(self._one, c, s): i
+                for i, (c, s) in enumerate(zip(conversations, seeds, strict=True))
+            }
+            answers: list[Answer | None] = [None] * len(conversations)
+            try:
+                for future in as_completed(futures):
+                    answers[futures[future]] = future.result()
+                    if on_answer is not None:
+                        on_answer(futures[future], 0)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        return answers  # type: ignore[return-value]
 
     def check_some_succeeded(self) -> None:
         """Every request failing is never a data set, whatever --max-failed-requests allows."""
@@ -342,8 +364,29 @@ def merge_journal_parts(path: Path) -> None:
         part.unlink()
 
 
-# complete(conversations, seeds) -> one (text, finish reason[, generated ids]) per conversation
-Complete = Callable[[list[Messages], list[int]], list[tuple]]
+# complete(conversations, seeds[, on_answer=]) -> one (text, finish reason[, generated ids]) per conversation;
+# a `complete` that takes `on_answer` calls on_answer(index, tokens) as each answer ends (progress per answer)
+Complete = Callable[..., list[tuple]]
+
+
+def _takes_on_answer(complete: Complete) -> bool:
+    try:
+        return "on_answer" in inspect.signature(complete).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+
+
+class _AnswerCount:
+    """A `complete`'s on_answer for one batch: each answer moves the progress at once; what it counted is
+    kept, so the batch's end adds only the rest."""
+
+    def __init__(self, bar: Any):
+        self.bar, self.answers, self.tokens = bar, 0, 0
+
+    def __call__(self, index: int, tokens: int) -> None:
+        self.answers += 1
+        self.tokens += tokens
+        self.bar.advance(1, tokens=tokens)
 
 
 def _answers_left(messages: Messages) -> int:
@@ -368,7 +411,8 @@ def regenerate(
     `answer_batch` at a time (None: all the chunk's at once). After every batch of answers the journal
     (`write_to`, default the journal itself: a worker writes its own part) gets each conversation of the
     batch: whole when finished, else as a partial record that a rerun continues from, so a kill loses at
-    most one batch of answers. Progress (answers, tokens/s, ETA) goes to stderr (flashdraft/progress.py).
+    most one batch of answers. Progress (answers, tokens/s, ETA) goes to stderr (flashdraft/progress.py):
+    per answer when `complete` takes `on_answer`, else per batch.
 
     Returns the regenerated conversation of every key in `items`, with why each answer ended; a
     conversation whose request failed (REQUEST_FAILED) is returned but not journaled, so a rerun asks
@@ -377,6 +421,7 @@ def regenerate(
 
     done = read_journal(journal)
     started = read_partial(journal)
+    per_answer = _takes_on_answer(complete)
     failed: dict[str, Regenerated] = {}
     wanted = {key for key, _ in items}
     todo = [(key, m) for key, m in items if key not in done]
@@ -394,7 +439,7 @@ def regenerate(
             )
         for start in range(0, len(todo), chunk):
             group = todo[start : start + chunk]
-            _regenerate_chunk(group, started, complete, answer_batch, handle, bar, done, failed)
+            _regenerate_chunk(group, started, complete, per_answer, answer_batch, handle, bar, done, failed)
             if on_progress:
                 on_progress(sum(key in done for key in wanted), len(wanted))
     return {key: done[key] if key in done else failed[key] for key in wanted}
@@ -457,6 +502,7 @@ def _regenerate_chunk(
     group: list[tuple[str, Messages]],
     started: dict[str, Regenerated],
     complete: Complete,
+    per_answer: bool,
     answer_batch: int | None,
     handle,
     bar,
@@ -471,10 +517,9 @@ def _regenerate_chunk(
         step = answer_batch or len(asking)
         for first in range(0, len(asking), step):
             batch = asking[first : first + step]
-            tokens = _answer_batch(chunk, batch, complete, handle, bar, done, failed, written)
+            _answer_batch(chunk, batch, complete, per_answer, handle, bar, done, failed, written)
             handle.flush()
             os.fsync(handle.fileno())
-            bar.advance(len(batch), tokens=tokens)
     for key, _ in group:  # conversations with no answer to give (nothing was asked)
         if key not in failed and key not in written:
             chunk.journal(handle, key, partial=False)
@@ -487,16 +532,19 @@ def _answer_batch(
     chunk: _Chunk,
     batch: list[str],
     complete: Complete,
+    per_answer: bool,
     handle,
     bar,
     done: dict[str, Regenerated],
     failed: dict[str, Regenerated],
     written: set[str],
-) -> int:
+) -> None:
     """Ask for one batch of answers and journal each conversation (whole once its last answer is in,
-    else partial); a failed request ends its conversation. Returns the tokens generated."""
+    else partial); a failed request ends its conversation. Progress moves per answer where `complete`
+    reports them (`per_answer`), the rest at the batch's end."""
     seeds = [answer_seed(key, len(chunk.reasons[key])) for key in batch]
-    replies = complete([chunk.convs[key] for key in batch], seeds)
+    asked, counted = [chunk.convs[key] for key in batch], _AnswerCount(bar)
+    replies = complete(asked, seeds, on_answer=counted) if per_answer else complete(asked, seeds)
     tokens = 0
     for key, (answer, reason, *generated) in zip(batch, replies, strict=True):
         chunk.remaining[key].pop(0)  # the original assistant turn is replaced
@@ -514,4 +562,5 @@ def _answer_batch(
             done[key] = chunk.finished(key)
         else:
             chunk.journal(handle, key, partial=True)
-    return tokens
+    # what on_answer did not count (an engine that reports nothing, or not every answer)
+    bar.advance(max(0, len(batch) - counted.answers), tokens=max(0, tokens - counted.tokens))

@@ -11,6 +11,10 @@ after its first stop token:
 Greedy output equals plain `model.generate` token for token. Sampling draws each token from a counter-based
 hash of (conversation seed, step, token id), so an answer never depends on which other answers share its
 batch, how many workers run, or on which device.
+
+`generate_ids(..., on_answer=f)` calls `f(index, ids)` once per prompt as soon as its answer is known
+(`static` and `hf`: when the row stops, mid-batch; `hf-cb` and `vllm`: when the call ends), so progress
+moves per answer, not per batch (docs/progress.md).
 """
 
 from __future__ import annotations
@@ -18,11 +22,17 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
@@ -31,6 +41,21 @@ from flashdraft.model.target import text_config
 
 ENGINES = ("auto", "static", "hf", "hf-cb", "vllm")
 _PAD_MULTIPLE = 64  # prompt widths are rounded up to this, so compiled static-cache shapes repeat
+
+# on_answer(index of the prompt in the call, its answer's ids): called once per prompt, when it is known
+OnAnswer = Callable[[int, list[int]], None]
+
+
+def report_rest(
+    on_answer: OnAnswer | None, out: list[list[int]], reported: set[int], indices: Iterable[int] | None = None
+) -> None:
+    """Hand `on_answer` the answers of `indices` (default: all) not reported yet: those cut at
+    --max-new-tokens, or every answer of an engine that learns them only at the end."""
+    if on_answer is not None:
+        for index in range(len(out)) if indices is None else indices:
+            if index not in reported:
+                reported.add(index)
+                on_answer(index, out[index])
 
 
 def vllm_available() -> bool:
@@ -126,6 +151,28 @@ def batch_size_for_memory(
     return max(1, min(cap, int(free * 0.7) // max(per_row, 1)))
 
 
+class AnswerWatch(StoppingCriteria):
+    """Stops nothing: after every generated token it hands each row that has just emitted a stop token to
+    `on_answer`, so `generate` reports answers as they end, not when the whole batch has. Rows past
+    the batch (padding it to a compiled shape) are never reported."""
+
+    def __init__(self, batch: list[int], width: int, stops: list[int], on_answer: OnAnswer, reported: set):
+        self.batch, self.width, self.on_answer, self.reported = batch, width, on_answer, reported
+        self.stops = torch.tensor(stops or [-1], dtype=torch.long)
+        self.open = list(range(len(batch)))  # rows whose answer is not reported yet
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.open and input_ids.shape[1] > self.width:
+            last = input_ids[: len(self.batch), -1].cpu()
+            ended = torch.isin(last, self.stops).tolist()
+            for row in [row for row in self.open if ended[row]]:
+                self.open.remove(row)
+                self.reported.add(self.batch[row])
+                ids = cut_at_stop(input_ids[row, self.width :].tolist(), self.stops.tolist())
+                self.on_answer(self.batch[row], ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 class HFGenerateEngine:
     """`model.generate` on length-sorted, left-padded batches; static KV cache and CUDA graphs on a GPU."""
 
@@ -182,11 +229,14 @@ class HFGenerateEngine:
         return shape
 
     @torch.inference_mode()
-    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate_ids(
+        self, prompts: list[list[int]], seeds: list[int], on_answer: OnAnswer | None = None
+    ) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         if not order:
             return out
+        reported: set[int] = set()
         cap = self._rows(len(prompts[order[0]]))
         per = -(-len(order) // -(-len(order) // cap))  # even batches: 1000 + 1000, not 1024 + 976
         for start in range(0, len(order), per):
@@ -200,14 +250,19 @@ class HFGenerateEngine:
                 ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]) :] = 1
             config, processors = self._config(width, [seeds[i] for i in filled])
+            watch = StoppingCriteriaList()
+            if on_answer is not None:
+                watch.append(AnswerWatch(batch, width, self.stops, on_answer, reported))
             generated = self.model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 generation_config=config,
                 logits_processor=processors,
+                stopping_criteria=watch,
             )
             for row, i in enumerate(generated[: len(batch), width:].tolist()):
                 out[batch[row]] = cut_at_stop(i, self.stops)
+            report_rest(on_answer, out, reported, batch)
         return out
 
     def describe(self) -> dict:
@@ -223,7 +278,9 @@ class ContinuousBatchingEngine:
         self.model, self.sampling, self.stops, self.pad_id = model.eval(), sampling, stops, pad_id
         self.on_gpu = next(model.parameters()).device.type == "cuda"
 
-    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate_ids(
+        self, prompts: list[list[int]], seeds: list[int], on_answer: OnAnswer | None = None
+    ) -> list[list[int]]:
         # no inference_mode here: the scheduler's thread updates tensors made in this one, which an
         # inference-mode tensor forbids outside inference mode (generate_batch manages grad itself)
         config = GenerationConfig(
@@ -247,7 +304,9 @@ class ContinuousBatchingEngine:
             by_index[int(str(name).rsplit("_", 1)[-1])] = list(result.generated_tokens)
         if sorted(by_index) != list(range(len(prompts))):
             raise FlashdraftError(f"--engine hf-cb: {len(by_index)} results for {len(prompts)} prompts")
-        return [cut_at_stop(by_index[i], self.stops) for i in range(len(prompts))]
+        out = [cut_at_stop(by_index[i], self.stops) for i in range(len(prompts))]
+        report_rest(on_answer, out, set())
+        return out
 
     def _cache_config(self, prompts: list[list[int]]):
         """On a GPU transformers sizes the paged KV cache from free memory; on the CPU it would reserve a
@@ -283,7 +342,9 @@ class VllmEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = ids[device.index]
         self.llm = LLM(model=str(target), dtype="bfloat16", seed=sampling.seed)
 
-    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate_ids(
+        self, prompts: list[list[int]], seeds: list[int], on_answer: OnAnswer | None = None
+    ) -> list[list[int]]:
         from vllm import SamplingParams
 
         s = self.sampling
@@ -301,7 +362,9 @@ class VllmEngine:
         ]
         requests = [{"prompt_token_ids": p} for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return [cut_at_stop(o.outputs[0].token_ids, self.stops) for o in outputs]
+        out = [cut_at_stop(o.outputs[0].token_ids, self.stops) for o in outputs]
+        report_rest(on_answer, out, set())
+        return out
 
     def describe(self) -> dict:
         return {"engine": self.name}

@@ -16,7 +16,8 @@ minimum per step (docs/regeneration.md, "The static engine"):
   switched to it for the call and switched back after; with one batch, its rows (sorted longest prompt
   first) go in up to `row_groups` groups, each reading only the columns from its longest prompt's start
   (the rest is left padding, masked for all of them);
-- `describe()` reports where the time went: prefill, capture and decode seconds, decode steps, rows.
+- `describe()` reports where the time went: prefill, capture and decode seconds, decode steps, rows;
+- `on_answer`, when given, gets each answer at the first finished-flag check after its row stops.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from flashdraft.config import Sampling
 from flashdraft.errors import FlashdraftError
 from flashdraft.generate.decode_attention import KERNELS, use_decode_attention
-from flashdraft.generate.engines import batch_size_for_memory, cut_at_stop
+from flashdraft.generate.engines import OnAnswer, batch_size_for_memory, cut_at_stop, report_rest
 from flashdraft.generate.kv_cache import StaticKVCache
 from flashdraft.generate.sampling import seeded_token
 from flashdraft.model.target import text_config
@@ -276,8 +277,9 @@ class StaticEngine:
             if record:
                 self.prefill_chunks.append([len(part), own, round(self._clock() - started, 4)])
 
-    def _decode(self, width: int, total: int) -> int:
-        """Decode steps until every row has finished or `max_new_tokens`; returns the steps run."""
+    def _decode(self, width: int, total: int, report: Callable[[], bool] | None = None) -> int:
+        """Decode steps until every row has finished or `max_new_tokens`; returns the steps run. `report`
+        (hands on the rows finished so far; True when all are) replaces the all-finished check."""
         steps = 0
         for n in range(1, self.sampling.max_new_tokens):
             column = width + n - 1
@@ -288,12 +290,16 @@ class StaticEngine:
             else:
                 self._step(visible)
             steps += 1
-            if n % self.check_every == 0 and bool(self.done.all()):  # the only host sync of the loop
+            if n % self.check_every:
+                continue
+            if report() if report is not None else bool(self.done.all()):  # the only host sync of the loop
                 break
         return steps
 
     @torch.inference_mode()
-    def generate_ids(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+    def generate_ids(
+        self, prompts: list[list[int]], seeds: list[int], on_answer: OnAnswer | None = None
+    ) -> list[list[int]]:
         with self._attention() as switched:
             if switched:
                 self.attention_used = f"{self.attention} (K and V read once per step)"
@@ -302,7 +308,7 @@ class StaticEngine:
             else:
                 self.attention_used = "the model's own (asked for)"
             # row groups live in our decode attention: only when the model runs on it
-            return self._generate(prompts, seeds, our_attention=switched)
+            return self._generate(prompts, seeds, our_attention=switched, on_answer=on_answer)
 
     def _attention(self):
         """The context that runs the model on the chosen decode attention (yields whether it took)."""
@@ -312,7 +318,13 @@ class StaticEngine:
             else use_decode_attention(self.model, self.attention)
         )
 
-    def _generate(self, prompts: list[list[int]], seeds: list[int], our_attention: bool) -> list[list[int]]:
+    def _generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        our_attention: bool,
+        on_answer: OnAnswer | None = None,
+    ) -> list[list[int]]:
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         if not order:
@@ -337,6 +349,7 @@ class StaticEngine:
         # Graphs only for the widths a decode step attends to: from the narrowest batch's prompt width
         # on (a step never attends to fewer columns than its batch's prompts fill).
         first_column = min(self._padded(len(prompts[order[start]])) for start in range(0, len(order), rows))
+        reported: set[int] = set()  # prompts whose answer on_answer has had
         timing, started = self.timing, self._clock()
         self._capture_all(self._decode_widths(first_column, total))
         timing["capture_s"] += self._clock() - started
@@ -348,14 +361,32 @@ class StaticEngine:
             started = self._clock()
             self._prefill([prompts[i] for i in filled], [seeds[i] for i in filled], batch_width)
             prefilled = self._clock()
-            timing["decode_steps"] += self._decode(batch_width, total)
+            report = self._reporter(batch, on_answer, reported) if on_answer is not None else None
+            timing["decode_steps"] += self._decode(batch_width, total, report)
             timing["decode_s"] += self._clock() - prefilled
             timing["prefill_s"] += prefilled - started
             timing["batches"] += 1
             counts = self.generated.tolist()
             for row, ids in enumerate(self.out[: len(batch)].tolist()):
                 out[batch[row]] = cut_at_stop(ids[: counts[row]], self.stops)
+            report_rest(on_answer, out, reported, batch)
         return out
+
+    def _reporter(self, batch: list[int], on_answer: OnAnswer, reported: set[int]) -> Callable[[], bool]:
+        """The decode loop's finished check that also hands each newly finished row of `batch` (prompt
+        indices by row) to `on_answer`; returns whether every row has finished."""
+
+        def report() -> bool:
+            done = self.done.tolist()
+            new = [row for row in range(len(batch)) if done[row] and batch[row] not in reported]
+            if new:
+                counts = self.generated.tolist()
+                for row in new:
+                    reported.add(batch[row])
+                    on_answer(batch[row], cut_at_stop(self.out[row, : counts[row]].tolist(), self.stops))
+            return all(done)
+
+        return report
 
     @contextmanager
     def decode_step(self, rows: int, columns: int) -> Iterator[Callable[[], None]]:

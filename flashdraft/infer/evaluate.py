@@ -43,7 +43,7 @@ from flashdraft.model.attention import decoding_attention_kernels
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
-from flashdraft.progress import track
+from flashdraft.progress import phase, track
 
 ENGINES = EVAL_ENGINES
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -184,13 +184,14 @@ def run_eval(
     configure_threads(threads, str(dev))
     dtype = DTYPES.get(settings.dtype) or default_dtype(dev)
     target_path = Path(target_dir)
-    target_config = load_target_config(target_path)
-    tokenizer = load_target_tokenizer(target_path)
-    encoded = encode_prompts(
-        prompts, tokenizer, settings.thinking, int(target_config.vocab_size), settings.max_prompts
-    )
-    drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
-    target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
+    with phase(f"loading the target {target_dir} and the drafter {drafter_dir}"):
+        target_config = load_target_config(target_path)
+        tokenizer = load_target_tokenizer(target_path)
+        encoded = encode_prompts(
+            prompts, tokenizer, settings.thinking, int(target_config.vocab_size), settings.max_prompts
+        )
+        drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
+        target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
     block = settings.block_size or drafter.block_size
     # the stop rule regeneration uses: a target whose generation config lists several eos ids ends its turn
     # at any of them, not only at the tokenizer's eos
@@ -222,9 +223,10 @@ def run_eval(
             encoded, settings, target, drafter, block, stop_ids, decoder, plain=not reused
         )
     else:
-        run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
-        if not reused:
-            run(encoded[0], False)
+        with phase("warming up on the first prompt (not counted)"):
+            run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
+            if not reused:
+                run(encoded[0], False)
     spec, plain, divergences = [], [], []
 
     def described(report: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 from flashdraft.config import dump_yaml, load_config
 from flashdraft.durable import atomic_write_bytes, atomic_write_text, disk_full_reason, fsync_dir, fsync_tree
 from flashdraft.errors import FlashdraftError
+from flashdraft.progress import phase
 from flashdraft.provenance import git_commit
 from flashdraft.run.diagnose import LOG_NAME, classify_message, diagnose_exit, signal_name
 from flashdraft.run.monitor import find_run, is_live, list_runs, run_state, runs_root
@@ -346,7 +347,8 @@ def launch(
     except FlashdraftError as exc:
         return _fail(run_dir, log, str(exc))
     atomic_write_text(run_dir / "config.yaml", dump_yaml(config))
-    launch_record["gpus"] = _gpus(config.train.device, attempt.env, attempt.nproc_per_node)
+    with phase("looking for the run's GPUs"):  # device auto imports torch: 14 s on a busy machine
+        launch_record["gpus"] = _gpus(config.train.device, attempt.env, attempt.nproc_per_node)
     write_json(run_dir / "launch.json", launch_record)
     refused = _preflight(config, run_dir, log, launch_record["gpus"], doctor)
     if refused is not None:
@@ -493,7 +495,8 @@ def _preflight(config, run_dir: Path, log, gpus: list[str], doctor: bool) -> dic
     if doctor:
         from flashdraft.run.doctor import run_checks
 
-        failed = [c for c in run_checks(config, quick=True) if c.ok is False]
+        with phase("doctor: preflight checks"):
+            failed = [c for c in run_checks(config, quick=True) if c.ok is False]
         for check in failed:
             log.write(f"doctor: ✗ {check.name}: {check.detail} — fix: {check.fix}\n".encode())
         if failed:
@@ -529,15 +532,19 @@ def _start_supervisor(run_dir: Path, log) -> subprocess.Popen:
 def _wait_until_up(run_dir: Path, supervisor: subprocess.Popen, log, timeout: float) -> dict[str, Any]:
     """Until the job reports a phase past start-up, or the run ends; at once if the supervisor dies."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        info = run_state(run_dir)
-        phases = {r["phase"] for r in info["ranks"].values()}
-        if info["state"] in (*FINAL_STATES, "lost") or phases & set(UP_PHASES):
-            return info
-        returncode = supervisor.poll()
-        if returncode is not None:
-            return _supervisor_ended(run_dir, returncode, log)
-        time.sleep(0.3)
+    # the job's start-up (imports, the target, the first compile) takes minutes on a busy CPU machine:
+    # what it is doing is said while the launcher waits (docs/newcomer-walk.md)
+    with phase(f"starting run {run_dir.name}: waiting for its job to come up") as waiting:
+        while time.time() < deadline:
+            info = run_state(run_dir)
+            phases = {r["phase"] for r in info["ranks"].values()}
+            if info["state"] in (*FINAL_STATES, "lost") or phases & set(UP_PHASES):
+                return info
+            returncode = supervisor.poll()
+            if returncode is not None:
+                return _supervisor_ended(run_dir, returncode, log)
+            waiting.advance(0, state=info["state"], **({"job": ",".join(sorted(phases))} if phases else {}))
+            time.sleep(0.3)
     info = run_state(run_dir)
     info["warning"] = (
         f"not up after {timeout:.0f} s (state {info['state']}); follow it with flashdraft logs {run_dir.name} -f"

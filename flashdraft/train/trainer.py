@@ -37,6 +37,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import save_drafter
 from flashdraft.model.target import TargetModel  # noqa: F401 - re-exported: tests patch its loader here
+from flashdraft.progress import Progress
 from flashdraft.run_protocol import Heartbeat, resume_hint
 from flashdraft.train import compile_report
 from flashdraft.train.build import (
@@ -95,6 +96,19 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
         (train.max_minutes) or a stop request."""
+        # a line at least every 8 s between the metric rows (steps of seconds each on a CPU), main rank only
+        self.steps_progress = Progress(
+            "training" if not self.state.step else f"training from step {self.state.step}",
+            self.data.total_steps - self.state.step,
+            unit="step",
+            mode=None if self.topo.is_main else "off",
+        )
+        try:
+            return self._train()
+        finally:  # however the loop ends: no ticker left writing after it
+            self.steps_progress.close()
+
+    def _train(self) -> dict[str, Any]:
         t, state = self.config.train, self.state
         outcome, over_budget = "finished", False
         while state.step < self.data.total_steps:
@@ -120,6 +134,7 @@ class Trainer:
                 )
             timed = self.timed_saves.due(state.clock.train_seconds)
             self.beat_step(timer)
+            self.steps_progress.advance()
             if state.step % t.log_every == 0 or last:
                 self.log_window(grad_norm)
             if self.validation_due(last, timed):
@@ -381,6 +396,7 @@ class Trainer:
 
     def finish(self, outcome: str, over_budget: bool) -> dict[str, Any]:
         """Close what the loop opened, in an order that cannot hang, and sum up the run."""
+        self.steps_progress.close()
         self.writer.wait()  # the final (or the stop's) checkpoint is complete before the run reports its end
         self.hooks.close()
         if self.logger is not None:
