@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from flashdraft.model.tiny import build_model, tiny_config
 
-from flashdraft.bench.tiny import build_model, tiny_config
 from flashdraft.config import Sampling
 from flashdraft.data.regenerate import regenerate
 from flashdraft.generate.engines import ContinuousBatchingEngine, HFGenerateEngine, cut_at_stop
