@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from flashdraft.model.tiny import build_model, tiny_config
 
 from flashdraft.config import Sampling
 from flashdraft.data.regenerate import regenerate
 from flashdraft.generate.engines import ContinuousBatchingEngine, HFGenerateEngine, cut_at_stop
 from flashdraft.generate.static import StaticEngine
+from flashdraft.model.tiny import build_model, tiny_config
 from tests.data.plain_generate import emitted_stop_ids, plain_greedy
 
 NEW = 12
