@@ -41,6 +41,10 @@ _PORTABLE_ROPE_TYPES = {"default", "linear", "dynamic", "yarn", "longrope", "lla
 
 def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
     params = dict(getattr(target, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        # One RoPE per layer type (Gemma 3: theta 1e6 for full layers, 1e4 for sliding ones): the drafter's
+        # layers see the whole context through KV injection, so they take the full layers' RoPE.
+        params = dict(params["full_attention"])
     theta = params.get("rope_theta", getattr(target, "rope_theta", 10000.0))
     if params.get("rope_type", "default") in _PORTABLE_ROPE_TYPES and "mrope_section" not in params:
         params.pop("partial_rotary_factor", None)
