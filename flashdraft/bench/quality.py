@@ -18,6 +18,10 @@ printed as a table and as text, and drawn to a PNG beside the JSON when matplotl
 With `--variant` (repeated), steps 3-4 run once per variant (a preset such as `dflash-dpace`, or
 `NAME:key=value,...` config overrides) on the same regenerated data and the same budget each, one
 variant per GPU at a time when several are visible, and the result compares them.
+
+With `--against specforge` (the race), steps 3-4 run twice from one initial drafter: flashdraft's trainer, and
+SpecForge's own training code (flashdraft/bench/race.py), the same budget each; the result has both and a
+`race` summary (τ ratio, per-position acceptance, z-lab's τ of both).
 """
 
 from __future__ import annotations

@@ -276,6 +276,7 @@ def real_plan(out: Path, console: Console, steps: int | None, which: str = "smol
     from flashdraft.model.gguf import convert_gguf, is_conversion_of, package_gguf, require_gguf_package
 
     real = REAL_TARGETS[which]
+    flag = "--real" if which == "smollm2" else f"--real {which}"
     missing = [
         name
         for name, found in (
@@ -286,7 +287,7 @@ def real_plan(out: Path, console: Console, steps: int | None, which: str = "smol
     ]
     if missing:
         raise FlashdraftError(
-            f"quickstart --real {which}: {' and '.join(missing)} not installed; install with: {real.install}"
+            f"quickstart {flag}: {' and '.join(missing)} not installed; install with: {real.install}"
         )
     gguf = package_gguf(real.package)
     require_gguf_package()
@@ -303,7 +304,7 @@ def real_plan(out: Path, console: Console, steps: int | None, which: str = "smol
     else:
         guess = "about 6 minutes on one H200 (docs/real-target.md)"
     console.print(
-        f"[bold]quickstart --real {which}[/]: {real.description} from {gguf} on the {device.upper()}: "
+        f"[bold]quickstart {flag}[/]: {real.description} from {gguf} on the {device.upper()}: "
         f"{conversations} regenerated answers, {steps} drafter steps, {prompts} held-out prompts; expect "
         f"{guess}",
         highlight=False,

@@ -196,10 +196,11 @@ def train_specforge(
             loss_type="dflash",
         )
 
-    batches = iter(RaceBatches.load(train_shards, batch_size, max_length, seed))
+    data = RaceBatches.load(train_shards, batch_size, max_length, seed)
+    batches = iter(data)
 
-    def step(wrapped, optimizer) -> tuple[float, float]:
-        ids, mask = next(batches)
+    def step(wrapped, optimizer, source=batches) -> tuple[float, float]:
+        ids, mask = next(source)
         ids, mask = ids.to(run_device), mask.to(run_device)
         with torch.no_grad():
             features = target.features(ids)
@@ -217,11 +218,14 @@ def train_specforge(
     probe_model = copy.deepcopy(drafter)
     probe = BF16Optimizer(probe_model, lr=lr, max_grad_norm=MAX_GRAD_NORM, total_steps=100)
     probe_wrapped = objective(probe_model)
-    step(probe_wrapped, probe)
+    probe_batches = iter(
+        RaceBatches(data.samples, batch_size, max_length, seed + 1)
+    )  # training's order intact
+    step(probe_wrapped, probe, probe_batches)
     synchronize()
     started = time.perf_counter()
     for _ in range(PROBE_STEPS - 1):
-        step(probe_wrapped, probe)
+        step(probe_wrapped, probe, probe_batches)
     synchronize()
     step_s = (time.perf_counter() - started) / (PROBE_STEPS - 1)
     del probe, probe_model, probe_wrapped
