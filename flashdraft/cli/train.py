@@ -68,8 +68,47 @@ def _init_shape(settings: InitSettings) -> tuple[int, int | None]:
     return num_layers, settings.sliding_layers
 
 
+def _init_from(args: argparse.Namespace, settings: InitSettings) -> int:
+    """`init --from DRAFTER`: a copy of an existing drafter for --target, or (--arch dflash2) its graft."""
+    shape = {
+        "--num-layers": settings.num_layers,
+        "--layer-types": settings.layer_types,
+        "--target-layer-ids": settings.target_layer_ids,
+        "--mask-token-id": settings.mask_token_id,
+        "--sliding-window": settings.sliding_window,
+        "--sliding-layers": settings.sliding_layers,
+        "--block-size": None if settings.block_size == InitSettings.block_size else settings.block_size,
+    }
+    given = [flag for flag, value in shape.items() if value is not None]
+    if given:
+        raise FlashdraftError(
+            f"init --from {args.from_drafter}: {', '.join(given)} describe a new drafter; the one given with "
+            "--from fixes its shape (drop them)"
+        )
+    check_target(args.target)
+    from flashdraft.hf_startup import prepare_transformers
+
+    prepare_transformers()
+    from flashdraft.model.drafter_dir import init_from_drafter, read_config
+    from flashdraft.model.spec import DFlashSpec
+
+    arch = None if settings.arch == InitSettings.arch else settings.arch
+    out = init_from_drafter(
+        args.target, args.from_drafter, args.out, arch=arch, seed=settings.seed, force=settings.force
+    )
+    spec = DFlashSpec.from_config(read_config(out))
+    how = "grafted onto dflash2 (identity convolutions)" if arch else "copied"
+    print(
+        f"wrote {spec.arch} drafter {out} from {args.from_drafter} ({how}): block {spec.block_size}, "
+        f"target_layer_ids {list(spec.target_layer_ids)}; fine-tune it with model.drafter={out}"
+    )
+    return 0
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     settings = settings_from(args, InitSettings)
+    if args.from_drafter is not None:
+        return _init_from(args, settings)
     num_layers, sliding_layers = _init_shape(settings)
     check_target(args.target)
     from flashdraft.hf_startup import prepare_transformers
@@ -293,6 +332,15 @@ def _register_init(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", required=True, help="local Hugging Face model directory of the target")
     p.add_argument("--out", required=True, help="drafter directory to write")
+    p.add_argument(
+        "--from",
+        dest="from_drafter",
+        default=None,
+        metavar="DRAFTER",
+        help="start from this drafter directory (ours or z-lab's) instead of random weights: checked against "
+        "--target and copied, or with --arch dflash2 grafted onto DFlash2 (identity convolutions: it starts "
+        "as the old drafter); then fine-tune it with model.drafter",
+    )
     flags_from(p, InitSettings)
     p.set_defaults(func=cmd_init)
 

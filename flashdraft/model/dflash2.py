@@ -13,6 +13,8 @@ Tensor names and the math follow z-lab's DFlash2DraftModel, so either loads the 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -164,3 +166,35 @@ class DFlash2DraftModel(DFlashDraftModel):
         """Draft tokens for block positions 1.. from their hidden states [b, n, H] (see CandidateSelector.select)."""
         logits = self.compute_logits(hidden, lm_head_weight)
         return self.candidate_selector.select(hidden, logits, anchor_ids, temperature, generator)
+
+
+def graft_dflash2(
+    drafter: DFlashDraftModel, fields: dict[str, int] | None = None, generator: torch.Generator | None = None
+) -> DFlash2DraftModel:
+    """A DFlash2 drafter that starts as `drafter` (a DFlash one): the same weights, every convolution the
+    identity (tap 0 = 1, zero dynamic part) and the selector's bilinear term zero (`hidden_projection`
+    zero; the codebooks random, so its gradient is not zero), so step 0's logits and greedy drafts are the
+    old drafter's exactly (docs/drafters.md §3, "Warm start"). `fields` overrides DFLASH2_DEFAULTS."""
+    from flashdraft.model.spec import ARCHITECTURES, DFLASH2_DEFAULTS
+
+    if drafter.spec.arch != "dflash":
+        raise ValueError(f"graft_dflash2 takes a DFlash drafter, got arch {drafter.spec.arch!r}")
+    config = copy.deepcopy(drafter.config)
+    config.architectures = [ARCHITECTURES["dflash2"]]
+    config.auto_map = {"AutoModel": f"dflash.{ARCHITECTURES['dflash2']}"}
+    added = DFLASH2_DEFAULTS | (fields or {})
+    added["selector_top_k"] = min(added["selector_top_k"], int(config.vocab_size))  # a tiny test vocabulary
+    config.dflash_config = dict(config.dflash_config or {}) | added
+    reference = next(drafter.parameters())
+    with torch.device("meta"):
+        grafted = DFlash2DraftModel(config)
+    grafted = grafted.to_empty(device=reference.device).to(reference.dtype)
+    grafted.init_weights(generator)  # codebooks random, convolutions the identity
+    with torch.no_grad():
+        grafted.candidate_selector.hidden_projection.weight.zero_()
+    missing, unexpected = grafted.load_state_dict(drafter.state_dict(), strict=False)
+    new_parts = ("attention_conv.", "mlp_conv.", "candidate_selector.")
+    if unexpected or any(not any(part in name for part in new_parts) for name in missing):
+        raise ValueError(f"graft_dflash2: unexpected {unexpected}, missing {missing}")
+    grafted.rotary_emb = type(drafter.rotary_emb)(config).to(reference.device)  # fp32 inv_freq, as loaded
+    return grafted

@@ -41,6 +41,10 @@ _PORTABLE_ROPE_TYPES = {"default", "linear", "dynamic", "yarn", "longrope", "lla
 
 def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
     params = dict(getattr(target, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        # One RoPE per layer type (Gemma 3: theta 1e6 for full layers, 1e4 for sliding ones): the drafter's
+        # layers see the whole context through KV injection, so they take the full layers' RoPE.
+        params = dict(params["full_attention"])
     theta = params.get("rope_theta", getattr(target, "rope_theta", 10000.0))
     if params.get("rope_type", "default") in _PORTABLE_ROPE_TYPES and "mrope_section" not in params:
         params.pop("partial_rotary_factor", None)
@@ -142,6 +146,12 @@ def check_against_target(config: PretrainedConfig, target: PretrainedConfig, sou
     if bad:
         raise FlashdraftError(
             f"{source}: 'dflash_config.target_layer_ids' has {bad}, beyond the target's {n_target} layers"
+        )
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and int(vocab) != int(target.vocab_size):
+        raise FlashdraftError(
+            f"{source}: 'vocab_size'={vocab} but the target's vocabulary has {target.vocab_size} rows "
+            "(the drafter decodes with the target's head: it was made for another target)"
         )
     if not spec.mask_token_id < target.vocab_size:
         raise FlashdraftError(
@@ -435,3 +445,36 @@ def init_drafter(
     model = new_drafter(config)
     model.init_weights(torch.Generator().manual_seed(seed))
     return save_drafter(model, out, overwrite="any" if force else "never", flag="--out")
+
+
+def init_from_drafter(
+    target_path: str | Path,
+    source: str | Path,
+    out: str | Path,
+    *,
+    arch: str | None = None,
+    seed: int = 0,
+    force: bool = False,
+) -> Path:
+    """`flashdraft init --from DRAFTER`: an existing drafter (ours or z-lab's), checked against the target
+    (hidden size, vocabulary, layer count and ids, mask token), written as a new drafter directory to
+    fine-tune with `model.drafter`. `arch` 'dflash2' grafts a DFlash drafter onto DFlash2
+    (flashdraft/model/dflash2.py::graft_dflash2: identity convolutions, so it starts as the old drafter)."""
+    from flashdraft.model.dflash2 import graft_dflash2
+    from flashdraft.model.target import load_target_config
+
+    check_output_dir(out, "--out", force=force, inputs={"--target": target_path, "--from": source})
+    target = load_target_config(target_path)
+    check_against_target(read_config(source), target, f"--from {Path(source) / CONFIG_NAME}")
+    model = load_drafter(source, target=target)
+    if arch is not None and arch != model.spec.arch:
+        if (model.spec.arch, arch) != ("dflash", "dflash2"):
+            raise FlashdraftError(
+                f"--arch {arch}: --from {source} is a {model.spec.arch} drafter; only dflash -> dflash2 is a "
+                "graft (a DFlash2 drafter's convolutions and selector cannot be dropped without changing it)"
+            )
+        model = graft_dflash2(model, generator=torch.Generator().manual_seed(seed))
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(
+        str(getattr(read_config(source), "dtype", "")).removeprefix("torch."), torch.bfloat16
+    )  # the source's own precision: a copy does not round it
+    return save_drafter(model, out, dtype, overwrite="any" if force else "never", flag="--out")

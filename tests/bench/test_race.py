@@ -1,0 +1,78 @@
+"""`flashdraft bench quality --against specforge` (issue 33 item 1): one initial drafter, trained for the
+same budget on the same shards by flashdraft's trainer and by SpecForge's own training code (its drafter
+module, objective and BF16 optimizer, flashdraft/bench/race.py), both scored by the same evaluators; one
+JSON with both curves, τ and acceptance by position (docs/quality-benchmark.md, "The race")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from flashdraft.bench.race import SPECFORGE_INSTALL, specforge_missing
+from tests.bench.test_quality import save_chain_target, tiny_quality_argv
+
+needs_specforge = pytest.mark.skipif(
+    specforge_missing() is not None, reason=specforge_missing() or SPECFORGE_INSTALL
+)
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+@needs_specforge
+def test_the_race_trains_both_from_the_same_weights_and_scores_both_alike(tmp_path):
+    from flashdraft.cli import main
+    from flashdraft.model.drafter_dir import load_drafter
+
+    target = save_chain_target(tmp_path / "target")
+    work, out = tmp_path / "work", tmp_path / "race.json"
+    argv = tiny_quality_argv(target, work, out, 16, 2, "0.03", 12)
+    assert main(["bench", "quality", *argv, "--against", "specforge"]) == 0
+    result = json.loads(out.read_text())
+    assert list(result["variants"]) == ["flashdraft", "specforge"]
+    init = work / "race" / "initial-drafter"
+    warm = json.loads((work / "variants" / "flashdraft" / "run" / "warm_start.json").read_text())
+    assert warm["weights_sha256"] == _sha256(init / "model.safetensors")  # flashdraft started from it
+    theirs = result["variants"]["specforge"]
+    assert theirs["training"]["trainer"] == "specforge" and theirs["training"]["steps"] >= 2
+    assert theirs["training"]["train_minutes"] >= 0.03 and theirs["training"]["budget_spent"]
+    assert "specforge.optimizer.BF16Optimizer" in theirs["training"]["settings"]["calls"]
+    for name, variant in result["variants"].items():
+        assert variant["complete"] and len(variant["curve"]) >= 2, name
+        minutes = [p["gpu_minutes"] for p in variant["curve"]]
+        assert minutes == sorted(minutes) and minutes[-1] >= 0.03, (name, minutes)
+        for point in variant["curve"]:
+            assert 1 <= point["tau"] <= 4 and len(point["acceptance_by_position"]) == 3
+            drafter = load_drafter(point["drafter"])  # a flashdraft drafter directory, the shape of the start
+            assert drafter.config.num_hidden_layers == 1 and drafter.block_size == 4
+        assert ("zlab_tau" in variant["final"]) == result["zlab_available"]
+    race = result["race"]
+    a, b = result["variants"]["flashdraft"]["final"], theirs["final"]
+    assert race["tau"] == {"flashdraft": a["tau"], "specforge": b["tau"]}
+    assert race["tau_ratio"] == pytest.approx(a["tau"] / b["tau"])
+    assert race["acceptance_by_position"]["specforge"] == b["acceptance_by_position"]
+    if result["zlab_available"]:
+        assert race["zlab_tau_ratio"] == pytest.approx(a["zlab_tau"] / b["zlab_tau"])
+    # SpecForge's side moved away from the start: its last checkpoint is not the initial weights
+    last = Path(theirs["curve"][-1]["drafter"]) / "model.safetensors"
+    assert _sha256(last) != _sha256(init / "model.safetensors")
+
+
+def test_the_race_refuses_variants_and_a_missing_specforge(tmp_path, monkeypatch):
+    from flashdraft.bench import race
+    from flashdraft.bench.quality import build_parser, run_quality
+    from flashdraft.errors import FlashdraftError
+
+    argv = ["--target", str(tmp_path), "--work", str(tmp_path / "w"), "--against", "specforge"]
+    with pytest.raises(FlashdraftError, match="--against and --variant"):
+        run_quality(build_parser().parse_args([*argv, "--variant", "dflash2"]), [])
+    monkeypatch.setattr(race, "specforge_missing", lambda: "the specforge package is not installed: pip ...")
+    with pytest.raises(
+        FlashdraftError, match=r"^--against specforge: the specforge package is not installed"
+    ):
+        run_quality(build_parser().parse_args(argv), [])
