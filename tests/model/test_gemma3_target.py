@@ -11,12 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from flashdraft.model.tiny import make_target_generated_data
-from flashdraft.model.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.model.drafter_dir import load_drafter, make_drafter_config
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import make_target_generated_data, save_tiny_target
 from flashdraft.train.trainer import train
 
 MASK = 511  # quickstart's random prompts never use it (make_target_generated_data)

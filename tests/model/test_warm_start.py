@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from flashdraft.model.tiny import save_tiny_target
 from flashdraft.cli import main
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
@@ -17,6 +16,7 @@ from flashdraft.model.attention import dense_mask
 from flashdraft.model.dflash2 import DFlash2DraftModel, graft_dflash2
 from flashdraft.model.drafter_dir import load_drafter, save_drafter
 from flashdraft.model.target import TargetModel
+from flashdraft.model.tiny import save_tiny_target
 from flashdraft.train.trainer import train
 from tests.train.helpers import tiny_pair
 
