@@ -21,6 +21,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.generate.fast import FastEngine
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.infer.report import simulated_tau
+from flashdraft.model.locate import find_drafter
 from flashdraft.train.state import TrainState
 from flashdraft.train.trainer import train
 from tests.bench.test_quality import chain_samples, save_chain_target
@@ -131,8 +132,10 @@ def test_best_follows_real_tau_where_it_disagrees_with_simulated_tau(real_run):
             top = real[step]
     assert [s for s in sorted(evals) if evals[s].get("best")] == marked
     assert result["best_by"] == "real_tau" and result["best"] == real[by_real]
-    # `flashdraft eval` of best/ shows the simulated τ of the evaluation that wrote it
+    # `flashdraft eval` of best/ shows the simulated τ of the evaluation that wrote it, and of the run says
+    # what best/ is best by
     assert simulated_tau(out / "best")["step"] == by_real
+    assert find_drafter(out) == (out / "best", f"the run's best checkpoint by real τ ({out / 'best'})")
 
 
 def test_best_by_loss_keeps_the_lowest_held_out_loss(chain, tmp_path):
