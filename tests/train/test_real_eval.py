@@ -249,3 +249,35 @@ def test_the_trainer_state_keeps_best_by_its_metric_and_old_checkpoints_load():
     assert again.choose_best_by("simulated_tau") is None and again.best == 1.7
     line = again.choose_best_by("real_tau")  # a resume with another metric forgets the old best
     assert again.best is None and "simulated_tau -> real_tau" in line
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_compiled_run_decodes_8_prompts_on_the_fast_engine_as_eval_does(chain, tmp_path):
+    """The GPU default: 8 held-out prompts at each evaluation of a compiled (flex attention) run, on the fast
+    engine with CUDA graphs, in bf16; the τ logged is `flashdraft eval --engine fast`'s of the checkpoint
+    (its bf16 weights are the trained ones). The decode never calls the compiled layers: the run's compile
+    guards (recompile limit, eager flex) would fail it."""
+    out = tmp_path / "run"
+    config = _config(chain, out, **{"train.device": "cuda", "train.best_by": "real_tau"})
+    config.train.real_eval_prompts = None  # the default
+    train(config)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"input_ids": s["input_ids"][: s["loss_mask"].index(1)]}) + "\n"
+            for s in map(json.loads, chain["eval"].read_text().splitlines()[:8])
+        )
+    )
+    settings = EvalSettings(sampling=Sampling(max_new_tokens=NEW_TOKENS), engine="fast")
+    for step, row in _evals(out).items():
+        assert row["real_prompts"] == 8 and row["real_engine"] == "fast"
+        report = run_eval(
+            str(chain["target"]),
+            str(out / "checkpoints" / f"step-{step:08d}" / "drafter"),
+            str(prompts),
+            settings,
+            device="cuda",
+            console=Console(quiet=True),
+        )
+        assert report["decoder"]["speculative"]["cuda_graphs"]
+        assert report["tau"] == row["real_tau"], step
