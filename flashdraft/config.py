@@ -757,6 +757,7 @@ def validate(config: Config) -> None:
         *_model_checks(config.model, config.data),
         *_train_checks(config.train),
         *_distributed_checks(config.distributed),
+        *_real_eval_checks(config.train, config.data, config.distributed),
     ]
     for ok, message in checks:
         if not ok:
@@ -882,6 +883,15 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             t.best_by in BEST_BY,
             f"train.best_by must be {', '.join(BEST_BY[:-1])} or {BEST_BY[-1]}, got {t.best_by!r}",
         ),
+        (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
+        (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
+        (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
+    ]
+
+
+def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the real decode at each evaluation against the data and the topology."""
+    return [
         (
             t.best_by != "real_tau" or (t.eval_every > 0 and bool(d.eval) and t.real_eval_prompts != 0),
             "train.best_by=real_tau needs the real decode at each evaluation: train.eval_every > 0, data.eval "
@@ -889,14 +899,11 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             f"path(s), real_eval_prompts={t.real_eval_prompts})",
         ),
         (
-            not t.real_eval_prompts or config.distributed.target_parallel == 1,
+            not t.real_eval_prompts or dist.target_parallel == 1,
             f"train.real_eval_prompts={t.real_eval_prompts} with distributed.target_parallel="
-            f"{config.distributed.target_parallel}: the real decode of a tensor-parallel target is not "
-            "available yet; set train.real_eval_prompts=0",
+            f"{dist.target_parallel}: the real decode of a tensor-parallel target is not available yet; set "
+            "train.real_eval_prompts=0",
         ),
-        (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
-        (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
-        (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
     ]
 
 
