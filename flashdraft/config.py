@@ -187,6 +187,10 @@ class DataConfig:
     )
 
 
+EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than regeneration writes
+BEST_BY = ("simulated_tau", "real_tau", "loss")  # train.best_by: eval row keys tau, real_tau, loss
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = doc("runs/flashdraft", "Run output: checkpoints, metrics.jsonl, TensorBoard events.")
@@ -279,6 +283,20 @@ class TrainConfig:
         "train.eval_every on, each is also evaluated, so every timed checkpoint has its simulated τ.",
     )
     eval_every: int = doc(0, "Optimizer steps between simulated-acceptance evaluations (0: off).")
+    real_eval_prompts: int | None = doc(
+        None,
+        "At each evaluation also decode this many held-out prompts for real (speculative, greedy: the prompt "
+        "part of the first data.eval samples) and log their real τ as real_tau beside the simulated one "
+        "(docs/training-loop.md). None: 8 on a GPU, 0 on the CPU (slow there); 0: off.",
+    )
+    real_eval_new_tokens: int = doc(
+        EVAL_MAX_NEW_TOKENS, "Tokens decoded per real-eval prompt at most (as flashdraft eval's default)."
+    )
+    best_by: str = doc(
+        "simulated_tau",
+        "What picks best/ at each evaluation: 'simulated_tau' (highest held-out simulated τ), 'real_tau' "
+        "(highest real τ: needs the real decode, train.real_eval_prompts) or 'loss' (lowest held-out loss).",
+    )
     keep_last: int = doc(3, "Checkpoints kept on disk.")
     resume: str = doc(
         "auto",
@@ -351,8 +369,6 @@ class Sampling:
     top_k: int = doc(0, "sample among the k most likely tokens (0: off)", "non_negative_int")
     seed: int = doc(0, "seed of the sampler", "int")
 
-
-EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than regeneration writes
 
 # --------------------------------------------------------------------------- command settings
 # What `prepare`, `eval` and `init` take beside their paths. Each field is one kebab-case flag of its
@@ -744,6 +760,7 @@ def validate(config: Config) -> None:
         *_model_checks(config.model, config.data),
         *_train_checks(config.train),
         *_distributed_checks(config.distributed),
+        *_real_eval_checks(config.train, config.data, config.distributed),
     ]
     for ok, message in checks:
         if not ok:
@@ -858,9 +875,39 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.profile_start >= 0, f"train.profile_start must be >= 0, got {t.profile_start}"),
         (t.save_every >= 1, f"train.save_every must be at least 1, got {t.save_every}"),
         (t.eval_every >= 0, f"train.eval_every must be >= 0 (0: off), got {t.eval_every}"),
+        (
+            t.real_eval_prompts is None or t.real_eval_prompts >= 0,
+            f"train.real_eval_prompts must be >= 0 (0: off), got {t.real_eval_prompts}",
+        ),
+        (
+            t.real_eval_new_tokens >= 1,
+            f"train.real_eval_new_tokens must be at least 1, got {t.real_eval_new_tokens}",
+        ),
+        (
+            t.best_by in BEST_BY,
+            f"train.best_by must be {', '.join(BEST_BY[:-1])} or {BEST_BY[-1]}, got {t.best_by!r}",
+        ),
         (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
         (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
         (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
+    ]
+
+
+def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the real decode at each evaluation against the data and the topology."""
+    return [
+        (
+            t.best_by != "real_tau" or (t.eval_every > 0 and bool(d.eval) and t.real_eval_prompts != 0),
+            "train.best_by=real_tau needs the real decode at each evaluation: train.eval_every > 0, data.eval "
+            f"and train.real_eval_prompts above 0 (got eval_every={t.eval_every}, {len(d.eval)} data.eval "
+            f"path(s), real_eval_prompts={t.real_eval_prompts})",
+        ),
+        (
+            not t.real_eval_prompts or dist.target_parallel == 1,
+            f"train.real_eval_prompts={t.real_eval_prompts} with distributed.target_parallel="
+            f"{dist.target_parallel}: the real decode of a tensor-parallel target is not available yet; set "
+            "train.real_eval_prompts=0",
+        ),
     ]
 
 

@@ -12,6 +12,7 @@ path, or a sampled path whose per-step distributions over the candidates are the
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,14 @@ class Generation:
     @property
     def tau(self) -> float:
         return sum(self.accepted) / len(self.accepted) if self.accepted else float("nan")
+
+
+def mean_tau(runs: list[Generation]) -> float:
+    """τ of several runs, as z-lab's benchmark defines it and `flashdraft eval` reports it: the mean over
+    runs of each run's mean tokens committed per step (accepted drafts + 1); nan when no run took a step.
+    Training's real τ (train/real_eval.py) is this too."""
+    decoded = [run.tau for run in runs if run.accepted]
+    return statistics.mean(decoded) if decoded else float("nan")
 
 
 def _sync(device: torch.device) -> float:

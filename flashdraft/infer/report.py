@@ -17,7 +17,7 @@ from typing import Any
 
 from flashdraft.durable import atomic_write_bytes, atomic_write_text
 from flashdraft.errors import FlashdraftError
-from flashdraft.generate.speculative import Generation
+from flashdraft.generate.speculative import Generation, mean_tau
 from flashdraft.run_protocol import read_metrics
 
 PRODUCER = "flashdraft eval"  # recorded in reports and plots: a rerun may overwrite what it wrote
@@ -37,7 +37,7 @@ def acceptance_report(
     report: dict[str, Any] = {
         "prompts": len(runs),
         "block_size": block_size,
-        "tau": statistics.mean(run.tau for run in runs if run.accepted) if steps else float("nan"),
+        "tau": mean_tau(runs),
         "tau_pooled": sum(steps) / len(steps) if steps else float("nan"),
         "acceptance_by_position": per_position,
         "accepted_length_histogram": {str(n): hist[n] for n in range(1, block_size + 1)},
@@ -59,9 +59,10 @@ _CHECKPOINT_STEP = re.compile(r"^step-(\d{8})$")
 
 def simulated_tau(drafter_dir: str | Path) -> dict[str, Any] | None:
     """The held-out simulated τ that training logged for this drafter, when it is a flashdraft run's:
-    `<run>/checkpoints/step-N/drafter` is step N; `<run>/best` is the first evaluation at the run's highest
-    τ (the trainer rewrites best/ only on a strict improvement). None when the directory is neither, or the
-    run's metrics.jsonl has no evaluation of that step (docs/quality-benchmark.md)."""
+    `<run>/checkpoints/step-N/drafter` is step N; `<run>/best` is the last evaluation row marked `best`
+    (the one that wrote best/, by train.best_by), in a run from before that marker the first evaluation at
+    the run's highest τ. None when the directory is neither, or the run's metrics.jsonl has no evaluation of
+    that step (docs/quality-benchmark.md)."""
     path = Path(drafter_dir).resolve()
     found = _CHECKPOINT_STEP.match(path.parent.name)
     if path.name == "drafter" and found and path.parent.parent.name == "checkpoints":
@@ -75,7 +76,9 @@ def simulated_tau(drafter_dir: str | Path) -> dict[str, Any] | None:
         evals = [r for r in read_metrics(metrics, "eval") if isinstance(r.get("tau"), (int, float))]
     except OSError:
         return None
-    if step is None:
+    if step is None and any(r.get("best") for r in evals):  # the evaluation that last wrote best/
+        chosen = next(r for r in reversed(evals) if r.get("best"))
+    elif step is None:  # a run from before the marker: best/ was chosen by the highest simulated τ
         finite = [r for r in evals if math.isfinite(r["tau"])]
         chosen = max(finite, key=lambda r: r["tau"]) if finite else None  # max keeps the first of ties
     else:

@@ -1,5 +1,6 @@
 """Where a drafter is: a drafter directory itself, or a training run's output directory, whose `best/`
-(the checkpoint with the best simulated τ) or else newest `checkpoints/step-N/drafter/` holds one.
+(the checkpoint with the best held-out evaluation, by train.best_by) or else newest
+`checkpoints/step-N/drafter/` holds one.
 
 Imports nothing heavy, so that `flashdraft export RUN` and `eval --drafter RUN` answer a wrong path at
 once. The names follow flashdraft/model/drafter_dir.py (config.json + model.safetensors) and
@@ -15,6 +16,21 @@ from flashdraft.errors import FlashdraftError
 
 DRAFTER_CONFIG = "config.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+# train.best_by -> what best/ is best by, in words
+_BEST_BY = {"simulated_tau": "simulated τ", "real_tau": "real τ", "loss": "held-out loss"}
+
+
+def _best_by(run: Path) -> str:
+    """What the run's best/ was chosen by, from its config.yaml (simulated τ when it does not say)."""
+    import yaml
+
+    try:
+        chosen = yaml.safe_load((run / "config.yaml").read_text())["train"]["best_by"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        chosen = "simulated_tau"
+    return _BEST_BY.get(chosen, _BEST_BY["simulated_tau"])
 
 
 def _is_drafter(path: Path) -> bool:
@@ -42,7 +58,7 @@ def find_drafter(path: str | Path, label: str = "drafter") -> tuple[Path, str | 
     if _is_drafter(path):
         return path, None
     if _is_drafter(path / "best"):
-        return path / "best", f"the run's best checkpoint by simulated τ ({path / 'best'})"
+        return path / "best", f"the run's best checkpoint by {_best_by(path)} ({path / 'best'})"
     newest = newest_checkpoint_drafter(path)
     if newest is not None:
         return newest, f"the run's newest checkpoint ({newest}; it has no best/: no held-out evaluation ran)"

@@ -37,6 +37,7 @@ from flashdraft.train.drafter_setup import WARM_START_NAME, build_drafter, resol
 from flashdraft.train.inputs import TrainingData, load_training_data
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.objective import Objective
+from flashdraft.train.real_eval import check_best_by
 from flashdraft.train.resume import check_resume_config
 from flashdraft.train.resume_transfer import share_resume_point
 
@@ -84,6 +85,7 @@ def start_topology(config: Config) -> tuple[Topology, torch.device, SplitRoles |
                 "train.eval_every: held-out evaluation is not available with distributed.mode=split yet (the "
                 "drafter ranks hold no target); set train.eval_every=0 or use distributed.mode=colocated"
             )
+    check_best_by(t, device, config.distributed)  # a real_tau choice the device's default turns off
     if t.compile and device.type == "cuda" and not (roles is not None and roles.is_target):
         start_compile_workers()  # this rank will compile the drafter
     if config.distributed.target_parallel > 1:  # before any long work (config.py refuses split mode)

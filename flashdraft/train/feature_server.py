@@ -83,4 +83,11 @@ def serve_features(
     world = Topology(roles.rank, len(roles.target_ranks) + drafters)
     barrier(world)
     shutdown(world)
-    return {"steps": step, "out_dir": t.out_dir, "best_tau": None, "outcome": outcome, "skipped_steps": 0}
+    return {
+        "steps": step,
+        "out_dir": t.out_dir,
+        "best_by": t.best_by,
+        "best": None,
+        "outcome": outcome,
+        "skipped_steps": 0,
+    }

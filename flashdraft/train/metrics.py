@@ -18,7 +18,7 @@ from flashdraft.durable import atomic_write_text
 
 def _fmt(key: str, value: Any) -> str:
     if isinstance(value, float):
-        if key.startswith("acc@") or key in ("tau", "loss", "grad_norm"):
+        if key.startswith("acc@") or key in ("tau", "real_tau", "loss", "grad_norm"):
             return f"{key} {value:.3f}"
         if key == "lr":
             return f"lr {value:.2e}"
@@ -53,7 +53,18 @@ class MetricsLogger:
     """One record per log interval: metrics.jsonl (for scripts and `flashdraft status`), TensorBoard
     events, and a console line or progress bar. JSONL lines are flushed at once: a crash loses none."""
 
-    CONSOLE_KEYS = ("loss", "acc@1", "acc@2", "acc@4", "tau", "lr", "grad_norm", "block_tok_s", "mfu")
+    CONSOLE_KEYS = (
+        "loss",
+        "acc@1",
+        "acc@2",
+        "acc@4",
+        "tau",
+        "real_tau",
+        "lr",
+        "grad_norm",
+        "block_tok_s",
+        "mfu",
+    )
 
     def __init__(self, out_dir: str | Path, total_steps: int, tensorboard: bool = True, start_step: int = 0):
         self.out_dir = Path(out_dir)

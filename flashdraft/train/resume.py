@@ -41,6 +41,9 @@ EXEMPT = frozenset(
         "train.save_every",
         "train.save_every_minutes",
         "train.eval_every",
+        "train.real_eval_prompts",
+        "train.real_eval_new_tokens",
+        "train.best_by",  # which evaluation best/ holds; a resume with another one starts best/ anew
         "train.keep_last",
         "train.device",
         "train.compile",

@@ -20,7 +20,8 @@ class TrainState:
     (the loader draws ahead: its own position is further on); `clock` books training and compile time."""
 
     step: int = 0
-    best_tau: float = -math.inf  # the best held-out simulated acceptance so far (best/ holds its drafter)
+    best_by: str = "simulated_tau"  # train.best_by: which held-out metric picked best/
+    best: float | None = None  # that metric's value at the evaluation best/ holds; None: none yet
     skipped: int = 0  # non-finite steps skipped in all
     bad_in_a_row: int = 0  # of them, the latest unbroken run (not saved: a checkpoint follows a good step)
     sampler: dict[str, Any] | None = None
@@ -30,18 +31,44 @@ class TrainState:
     def epoch(self) -> int | None:
         return None if self.sampler is None else self.sampler["epoch"]
 
+    def improves(self, value: float | None) -> bool:
+        """Whether an evaluation whose best_by metric is `value` replaces best/: a strict improvement
+        (higher τ, lower loss); a missing or non-finite value never does."""
+        if value is None or not math.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        return value < self.best if self.best_by == "loss" else value > self.best
+
+    def choose_best_by(self, best_by: str) -> str | None:
+        """Continue with this run's train.best_by; a resumed best by another metric is forgotten (best/
+        is chosen anew from the next evaluation), and the line that says so is returned."""
+        if best_by == self.best_by:
+            return None
+        was, self.best_by, self.best = self.best_by, best_by, None
+        return f"resume: train.best_by {was} -> {best_by}: best/ is chosen anew from the next evaluation"
+
     def state_dict(self) -> dict[str, Any]:
+        simulated = self.best_by == "simulated_tau" and self.best is not None
         return {
             "step": self.step,
             "sampler": self.sampler,
-            "best_tau": self.best_tau,
+            # best_tau: the key of checkpoints before train.best_by (the best simulated τ, -inf for none)
+            "best_tau": self.best if simulated else -math.inf,
+            "best_by": self.best_by,
+            "best_value": self.best,
             "skipped_steps": self.skipped,
             "train_seconds": self.clock.train_seconds,
             "compile_seconds": self.clock.compile_seconds,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.best_tau, self.skipped = state["step"], state["best_tau"], state["skipped_steps"]
+        self.step, self.skipped = state["step"], state["skipped_steps"]
+        if "best_by" in state:
+            self.best_by, self.best = state["best_by"], state["best_value"]
+        else:  # a checkpoint from before train.best_by: best/ was chosen by simulated τ
+            old = float(state["best_tau"])
+            self.best_by, self.best = "simulated_tau", old if math.isfinite(old) else None
         self.sampler = state["sampler"]
         # Checkpoints from before the time budget existed carry no clock: they start from zero.
         self.clock = TrainingClock(

@@ -59,6 +59,7 @@ from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 from flashdraft.train.prefetch import DrawnStep, StepPrefetcher
 from flashdraft.train.profiling import StepProfiler
+from flashdraft.train.real_eval import RealDecoder, decoding_copy, plan_real_eval
 from flashdraft.train.resume import optimizer_layout, restore_training
 from flashdraft.train.schedule import TimedSaves, make_scheduler
 from flashdraft.train.state import TrainState
@@ -92,6 +93,7 @@ class Trainer:
     writer: CheckpointWriter  # checkpoints off the step's path (the main rank writes)
     window: LogWindow  # the counters since the last metrics row
     peak_tflops: float | None  # the device's bf16 peak (MFU), None where unknown
+    real_eval: RealDecoder | None = None  # held-out prompts decoded for real at each evaluation (None: off)
 
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
@@ -316,7 +318,8 @@ class Trainer:
         return stopping
 
     def validation_pass(self, collective: bool) -> bool:
-        """One pass over data.eval, logged as an eval row; returns True when a stop abandoned it."""
+        """One pass over data.eval (and the real decode of a few of its prompts), logged as an eval row,
+        and best/ by train.best_by; returns True when a stop abandoned it."""
         t, state = self.config.train, self.state
         self.heartbeat.beat("evaluating")
         after_batch = partial(self.after_validation_batch, PassProgress(state.step, self.say), collective)
@@ -329,19 +332,50 @@ class Trainer:
             self.device,
             after_batch=after_batch,
         )
+        if result is not None and self.real_eval is not None:
+            real = self.real_decode(collective)
+            result = None if real is None else {**result, **real}
         if result is None:
             self.say(f"step {state.step}: evaluation abandoned for the stop request")
             return True
         result["train_minutes"] = state.clock.train_seconds / 60
-        self.heartbeat.beat("training", eval_tau=result["tau"])
+        self.heartbeat.beat(
+            "training",
+            eval_tau=result["tau"],
+            **({"eval_real_tau": result["real_tau"]} if "real_tau" in result else {}),
+        )
+        # best/ by train.best_by; the same decision on every rank of a collective pass (its write is one)
+        if state.improves(result.get(BEST_BY_KEY[t.best_by])):
+            state.best = result[BEST_BY_KEY[t.best_by]]
+            self.save_best()
+            result["best"] = True  # this evaluation's drafter is best/ (infer/report.py reads it)
         if self.logger is not None:
             self.logger.log(state.step, result, kind="eval")
-        if (
-            result["tau"] > state.best_tau
-        ):  # the best checkpoint by simulated acceptance (the same on every rank)
-            state.best_tau = result["tau"]
-            self.save_best()
         return False
+
+    def real_decode(self, collective: bool) -> dict[str, Any] | None:
+        """The real decode of the held-out prompts (train/real_eval.py) on the main rank, with a plain
+        copy of the drafter (a sharded drafter's whole state gathered first: a collective); its eval row
+        keys, or None when a stop request came. In a collective pass every rank gets the main rank's
+        outcome (real_tau and the stop), so that all decide best/ alike."""
+        parallel, state = self.placement.data_parallel, self.state
+        weights = full_state_dicts(parallel, self.drafter)[0]
+        real, stopped = None, False
+        if self.topo.is_main:
+            drafter = decoding_copy(self.drafter, weights, self.device, self.real_eval.target.dtype)
+            real = self.real_eval.decode(
+                drafter, f"step {state.step}: real τ", self.heartbeat.beat, lambda: self.stop.requested
+            )
+            stopped = real is None
+        del weights
+        if not collective:
+            return real
+        shared_stop, shared_tau = all_reduce_sum(
+            [float(stopped), real["real_tau"] if real else 0.0], self.device, self.topo
+        )
+        if shared_stop:
+            return None
+        return real if self.topo.is_main else {"real_tau": shared_tau}
 
     def after_validation_batch(self, progress: PassProgress, collective: bool, done: int, total: int) -> bool:
         """Progress of the pass (heartbeat and a line every few seconds); whether a stop abandons it."""
@@ -408,7 +442,8 @@ class Trainer:
         return {
             "steps": self.state.step,
             "out_dir": str(self.out_dir),
-            "best_tau": self.state.best_tau,
+            "best_by": self.state.best_by,
+            "best": self.state.best,  # best/'s value of that metric (None: no evaluation ran)
             "outcome": outcome,
             "skipped_steps": self.state.skipped,
             "train_minutes": clock.train_seconds / 60,
@@ -422,6 +457,10 @@ class Trainer:
 
     def say(self, line: str) -> None:
         say_on_main(self.topo, line)
+
+
+# train.best_by -> the eval row key it picks best/ by (config.BEST_BY)
+BEST_BY_KEY = {"simulated_tau": "tau", "real_tau": "real_tau", "loss": "loss"}
 
 
 @dataclass
@@ -460,7 +499,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
     optimizer = make_optimizer(
         list(run.drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
     )
-    state = TrainState()
+    state = TrainState(best_by=t.best_by)
     scheduler = make_scheduler(optimizer, t, run.data.total_steps, state)
     if run.resume_from is not None:
         restore_training(
@@ -490,7 +529,14 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         hooks=hooks,
     )
     logger = MetricsLogger(run.out_dir, run.data.total_steps, start_step=state.step) if topo.is_main else None
+    real_eval = plan_real_eval(
+        config, run.device, run.target, run.drafter, run.data.eval, partial(say_on_main, topo)
+    )
+    if (line := state.choose_best_by(t.best_by)) is not None:  # a resume with another train.best_by
+        say_on_main(topo, line)
     say_on_main(topo, training_line(run, placement))
+    if real_eval is not None:
+        say_on_main(topo, f"{real_eval.describe()}; best/ by train.best_by={t.best_by}")
     run.drafter.train()
     phase = "compiling" if placement.compiled else "training"
     heartbeat.beat(phase, force=True, step=state.step, total_steps=run.data.total_steps)
@@ -516,6 +562,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         writer=CheckpointWriter(heartbeat, partial(say_on_main, topo)),
         window=LogWindow(spec.block_size),
         peak_tflops=peak_tflops(run.device),
+        real_eval=real_eval,
     )
 
 
