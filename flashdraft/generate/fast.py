@@ -391,9 +391,13 @@ class FastEngine:
         return time.perf_counter()
 
     @torch.inference_mode()
-    def generate(self, prompts: list[Tensor], seeds: list[int] | None = None) -> list[Generation]:
+    def generate(
+        self, prompts: list[Tensor], seeds: list[int] | None = None, min_width: int = 0
+    ) -> list[Generation]:
         """Every prompt [1, P] decoded; `rows` of them in flight at once, each finished row refilled with
-        the next prompt. Sampled, prompt i draws from a generator seeded with `seeds[i]` (default i): its
+        the next prompt. Calls that need the same buffer width (at least `min_width`: give the longest
+        prompt's, plus max_new_tokens and the block, to decode prompts one call at a time) reuse the
+        buffers and the graphs already captured, as a refilled row reuses its row. Sampled, prompt i draws from a generator seeded with `seeds[i]` (default i): its
         tokens equal the eager loop's with `torch.Generator().manual_seed(seeds[i])`. Per row,
         `decode_seconds` is its share of the steps it was in (each step's time split evenly among the rows
         decoding in it), so the rows' seconds add up to the decode time."""
@@ -406,14 +410,13 @@ class FastEngine:
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
         with decoding_attention_kernels():
-            self._allocate(longest + self.max_new + self.block)
+            width = max(longest + self.max_new + self.block, min_width)
+            if getattr(self, "width", None) != width:
+                self._allocate(width)  # new buffers: the graphs of the old ones are dropped
             started = self._sync()
             shortest = min(p.shape[1] for p in prompts)
-            self._capture(
-                sorted(
-                    {self._visible(end + self.block) for end in range(shortest, self.width - self.block + 1)}
-                )
-            )
+            widths = {self._visible(end + self.block) for end in range(shortest, self.width - self.block + 1)}
+            self._capture(sorted(widths - set(self.graphs)))
             self.timing["capture_s"] += self._sync() - started
             return self._decode_all(prompts, seeds)
 

@@ -116,8 +116,11 @@ class RealDecoder:
                 self.target, drafter, self.new_tokens, block_size=block, stop_token_ids=self.stop_ids, rows=1
             )
 
+            # one width for every prompt: the buffers and CUDA graphs are made once per evaluation
+            width = max(p.shape[1] for p in self.prompts) + self.new_tokens + block
+
             def run(prompt: Tensor) -> Generation:
-                return engine.generate([prompt])[0]
+                return engine.generate([prompt], min_width=width)[0]
         else:
 
             def run(prompt: Tensor) -> Generation:

@@ -59,6 +59,23 @@ def test_plain_decoding_is_block_size_one_through_the_same_engine(pair, prompts)
         assert run.tokens == reference.tokens and run.accepted == [1] * len(run.accepted)
 
 
+def test_one_engine_decoding_prompt_after_prompt_reuses_its_buffers_and_stays_exact(
+    pair, prompts, eager, monkeypatch
+):
+    """Calls with one `min_width` (the real τ of training decodes a prompt per call) allocate once and
+    decode what the eager loop decodes, stale columns of the prompt before notwithstanding."""
+    target, drafter = pair
+    engine = FastEngine(target, drafter, NEW)
+    allocations = []
+    original = engine._allocate
+    monkeypatch.setattr(engine, "_allocate", lambda width: (allocations.append(width), original(width)))
+    width = max(p.shape[1] for p in prompts) + NEW + drafter.block_size
+    runs = [engine.generate([p], min_width=width)[0] for p in reversed(prompts)][::-1]
+    assert allocations == [width]
+    assert [run.tokens for run in runs] == [run.tokens for run in eager]
+    assert [run.accepted for run in runs] == [run.accepted for run in eager]
+
+
 @pytest.mark.parametrize("rows", [2, 3])
 def test_batched_rows_accept_what_batch_one_accepts(pair, prompts, eager, rows):
     """Ragged rows (prompts of different lengths, different acceptance per step), finished rows refilled
