@@ -162,11 +162,11 @@ def test_a_stop_during_the_real_decode_stops_after_the_prompt_in_flight(chain, t
     real_generate = FastEngine.generate
     calls = {"n": 0}
 
-    def generate(self, prompts):
+    def generate(self, prompts, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only sets its stop flag
-        return real_generate(self, prompts)
+        return real_generate(self, prompts, **kwargs)
 
     monkeypatch.setattr(FastEngine, "generate", generate)
     heartbeat = RecordingHeartbeat()
