@@ -9,8 +9,8 @@ timed with CUDA events around the real objective's own calls.
 
 `--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise]` runs each drafter
 precision in turn on the same target and reports each against bf16 (docs/fp8.md). Before the drafter
-steps, the target's feature forward is timed eager, then with its decoder layers compiled (as the trainer
-runs it; `--no-compile-target` keeps it eager), against its GEMM floor.
+steps, the target's feature forward is timed eager and, with `--compile-target` (train.compile_target, off by
+default as in the trainer), with its decoder layers compiled, against its GEMM floor.
 
 `flashdraft bench train --data SHARDS [--packing on|off|both]` times real steps on a real shard set instead,
 with and without sequence packing (flashdraft/bench/packing_bench.py, docs/packing.md); it runs on the CPU
@@ -352,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --precision fp8: train.fp8_recipe (repeat to compare; default tensorwise)",
     )
     parser.add_argument(
-        "--no-compile-target", action="store_true", help="the target's decoder layers eager (for comparison)"
+        "--compile-target",
+        action="store_true",
+        help="also time the target with its decoder layers compiled, and keep them so (train.compile_target)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
     args = parser.parse_args(argv)
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             "layer_ids": list(target.layer_ids),
         },
         "linear_attention_kernels": linear_attention_kernels(),
-        "target_forward": time_target(target, shape_names, not args.no_compile_target),
+        "target_forward": time_target(target, shape_names, args.compile_target),
         "results": [],
     }
     print("target forward:", report["target_forward"], flush=True)

@@ -16,6 +16,7 @@ teacher-forced simulated τ of train/validation.py (docs/training-loop.md, "Real
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,7 +190,11 @@ def plan_real_eval(
     tokenizer = load_target_tokenizer(config.model.target)
     thinking = held_out_thinking(config.data.eval)
     stop_ids = target_stop_ids(config.model.target, tokenizer, thinking, required=False)
-    return RealDecoder(target, prompts, t.real_eval_new_tokens, stop_ids, engine)
+    # the drafter's own feature layers: a kl/lk loss adds the target's last layer to the trainer's capture
+    # (train/objective.py), which the decode must not feed the drafter
+    decoding_target = copy.copy(target)
+    decoding_target.layer_ids = list(drafter.spec.target_layer_ids)
+    return RealDecoder(decoding_target, prompts, t.real_eval_new_tokens, stop_ids, engine)
 
 
 def decoding_copy(

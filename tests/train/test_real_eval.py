@@ -138,6 +138,14 @@ def test_best_follows_real_tau_where_it_disagrees_with_simulated_tau(real_run):
     assert find_drafter(out) == (out / "best", f"the run's best checkpoint by real τ ({out / 'best'})")
 
 
+def test_a_kl_loss_run_decodes_with_the_drafters_own_feature_layers(chain, tmp_path):
+    """train.loss=kl captures the target's last layer too (train/objective.py); the real decode feeds the
+    drafter only its own layers (the H200 run of this with dflash2 failed on the fc's width)."""
+    out = tmp_path / "run"
+    train(_config(chain, out, **{"train.loss": "kl", "train.max_steps": 8, "train.save_every": 8}))
+    assert _evals(out)[8]["real_tau"] >= 1.0
+
+
 def test_best_by_loss_keeps_the_lowest_held_out_loss(chain, tmp_path):
     out = tmp_path / "run"
     result = train(_config(chain, out, **{"train.best_by": "loss", "train.real_eval_prompts": 0}))
