@@ -87,15 +87,20 @@ def greedy_accept(draft: Tensor, target_logits: Tensor) -> tuple[int, int]:
 def rejection_accept(
     draft: Tensor, draft_probs: Tensor, target_probs: Tensor, generator: torch.Generator | None = None
 ) -> tuple[int, int]:
-    """draft [n]; draft_probs [n, V] (q per position); target_probs [n+1, V] (p per position). Draws n
-    uniforms, then one Exp(1) row for the token after the accepted prefix."""
-    n, device = draft.shape[0], draft.device
-    u = torch.rand(n, generator=generator, device=device)
-    noise = exponential_noise((1, target_probs.shape[-1]), generator, device)
-    accepted, token = rejection_rows(
-        draft[None], draft_probs[None], target_probs[None], torch.tensor([n], device=device), u[None], noise
-    )
-    return int(accepted[0]), int(token[0])
+    """draft [n]; draft_probs [n, V] (q per position); target_probs [n+1, V] (p per position). Draws as
+    z-lab's loop draws (n uniforms, then one multinomial draw), so a DFlash2 drafter's sampled decode,
+    which the fast engine does not run, matches z-lab's token for token."""
+    n = draft.shape[0]
+    p = target_probs[:n].gather(-1, draft[:, None])[:, 0]
+    q = draft_probs.gather(-1, draft[:, None])[:, 0]
+    u = torch.rand(n, generator=generator, device=draft.device)
+    accepted = int((u * q < p).int().cumprod(dim=0).sum())
+    if accepted == n:
+        return n, int(sample(target_probs[n], generator))
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp(min=0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[accepted]
+    return accepted, int(sample(residual, generator))
 
 
 def rejection_rows(

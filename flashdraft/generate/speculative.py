@@ -25,6 +25,7 @@ from flashdraft.generate.sampling import (
     greedy_accept,
     one_hot_probs,
     race,
+    rejection_accept,
     rejection_rows,
     sample,
     sampling_probs,
@@ -217,7 +218,12 @@ def generate(
                 accepted, bonus = greedy_accept(block_ids[1:], logits[0])
             elif size > 1:
                 target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
-                accepted, bonus = _sampled_accept(block_ids[1:], draft_probs, target_probs, block, generator)
+                if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: z-lab's draws
+                    accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
+                else:
+                    accepted, bonus = _sampled_accept(
+                        block_ids[1:], draft_probs, target_probs, block, generator
+                    )
             else:
                 accepted, bonus = 0, pick(logits[0, -1])
             output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
