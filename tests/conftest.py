@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture
+def fresh_compile_cache():
+    """dynamo's caches and counters empty before and after a test, so graph counts are the test's own.
+    Use it with `pytestmark = pytest.mark.usefixtures("fresh_compile_cache")`."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module's tests, restored after it (a test elsewhere may have changed the

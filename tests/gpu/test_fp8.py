@@ -16,17 +16,9 @@ from flashdraft.train.optim import make_optimizer
 
 from ..train.helpers import tiny_pair
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fresh_compile_cache")]
 CUDA = torch.device("cuda")
 STEPS = 20
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile_cache():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _bf16_target_on_gpu(target):

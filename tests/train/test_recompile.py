@@ -15,15 +15,9 @@ from flashdraft.train.objective import Objective
 
 from .helpers import tiny_pair, token_batch
 
+pytestmark = pytest.mark.usefixtures("fresh_compile_cache")
+
 LENGTHS = (256, 512, 768, 256)  # padded lengths as the compiled trainer pads them (multiples of 256)
-
-
-@pytest.fixture(autouse=True)
-def fresh_compile_cache():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _compiled_objective(target_dir: str, attention: str) -> Objective:
