@@ -277,7 +277,7 @@ print('NVML:', gpu_usage())
     python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     python3 -c "import torch, torchao; from torchao.float8 import convert_to_float8_training; print('torchao', torchao.__version__, 'torch', torch.__version__, 'capability', torch.cuda.get_device_capability())" 2>&1 | grep -v "Failed to load" | tee "$out/fp8_import.txt"
-    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
+    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --compile-target --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
