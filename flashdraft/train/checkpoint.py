@@ -256,6 +256,14 @@ class CheckpointWriter:
                 )
         return written
 
+    def settle(self) -> None:
+        """On the way out of a failing run: let the write in progress finish and report it, without
+        raising its own error over the run's (that one is printed instead)."""
+        try:
+            self.wait()
+        except Exception as exc:  # the run's error is the one to raise
+            self.say(f"the checkpoint being written when the run failed was not completed: {exc}")
+
     def wait(self) -> list[WrittenCheckpoint]:
         """Until the write in progress, if any, is complete; then as `poll`."""
         if self._thread is not None:

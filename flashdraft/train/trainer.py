@@ -107,6 +107,11 @@ class Trainer:
         )
         try:
             return self._train()
+        except BaseException:
+            # a failing run still completes the checkpoint it is writing before its error surfaces: the
+            # caller (a test, a supervisor, the user) finds every checkpoint the run said it would keep
+            self.writer.settle()
+            raise
         finally:  # however the loop ends: no ticker left writing after it
             self.steps_progress.close()
 

@@ -48,7 +48,7 @@ def _exits(tmp_path, close_first: bool, grace_s: float) -> list[int | None]:
     ranks = [context.Process(target=_rank, args=(r, store, close_first)) for r in range(2)]
     for process in ranks:
         process.start()
-    ranks[1].join(300)
+    ranks[1].join(300 if close_first else 60)  # without the fix rank 1 may hang too
     ranks[0].join(grace_s)
     codes = [process.exitcode for process in ranks]
     for process in ranks:
@@ -64,4 +64,6 @@ def test_without_closing_the_reducer_the_race_hangs_rank_0(tmp_path):
     """The scenario really is the hang: without the trainer's order rank 0 never exits (torch's behaviour;
     if a torch release frees the group without the GIL from the reducer too, this test says so)."""
     codes = _exits(tmp_path, close_first=False, grace_s=30)  # it exits in seconds when it does
-    assert codes[1] == 0 and codes[0] is None, codes
+    # Rank 1 is not asserted: on a loaded machine rank 0's stuck teardown can also leave rank 1's
+    # collective unanswered (seen in CI on 2 busy cores: both still running). Rank 0 is the claim.
+    assert codes[0] is None, codes

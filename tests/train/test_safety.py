@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.train import checkpoint as checkpoint_module
 from flashdraft.train.checkpoint import list_checkpoints, load_trainer_state, verify_checkpoint
 from flashdraft.train.objective import Objective
 from flashdraft.train.trainer import train
@@ -157,6 +159,15 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run_without_a_checkpoint(
     monkeypatch,
 ):
     _nan_loss_on(monkeypatch, {3, 4, 5})
+    # every write outlasts a step, so step 4's is still in progress when step 5 fails the run: the error
+    # surfaces only once that write is complete (it once raced the test's listing of the checkpoints)
+    write = checkpoint_module.save_checkpoint
+
+    def slow_write(*args, **kwargs):
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", slow_write)
     out = tmp_path / "run"
     with pytest.raises(FlashdraftError) as info:
         _run(
