@@ -266,7 +266,25 @@ def main() -> None:
     )
     parser.add_argument("--eval-prompts", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep an existing WORK (its target is reused)")
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="other jobs to keep running through the walk: N processes that each spin one core "
+        "(the issue's 'another job was also using it': --busy 1 on 2 cores); 0 walks as the machine is",
+    )
     args = parser.parse_args()
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)
+    ]  # ended by the interpreter's exit below, however the walk ends
+    try:
+        walk(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+
+
+def walk(args: argparse.Namespace) -> None:
     args.work = args.work.resolve()
     if args.work.exists() and not args.keep:
         shutil.rmtree(args.work)
@@ -307,6 +325,7 @@ def main() -> None:
                 "max_new_tokens": args.max_new_tokens,
                 "steps": args.steps,
                 "eval_prompts": args.eval_prompts,
+                "busy_spinners": args.busy,
             },
             "steps": steps,
             "total_wall_s": round(sum(s["wall_s"] for s in steps), 1),
