@@ -2,6 +2,7 @@
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
 # Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh tests|eval|probe|train|race|race-wait|...
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
+#   suite: the `gpu`-marked tests in three parallel groups, a log each in $OUT (~4 min; carry .gpu and .whl)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
 #   fp8:   torchao from WHL (default .whl), bench train shape (a) bf16 vs fp8 tensorwise/rowwise (the target's
@@ -244,6 +245,23 @@ print(w('$REAL/prompts_large.jsonl', '$REAL/prompts_large_eval.jsonl', ${REGEN_P
       --max-new-tokens 256 --baseline-batch 500 --engine static --device cuda:0 \
       --out "$out/regen_h200_real_large.json" > "$out/regen_large.log" 2>&1
     grep -v -i warn "$out/regen_large.log" | tail -12 ;;
+  suite)
+    # the whole `gpu` suite in three groups at once (~4 min wall on one H200 instead of ~8 in one run), each
+    # into its own log under $OUT (never through a pipe: a timeout then loses nothing); G3 is every other
+    # gpu-marked file, so a new one is never left out. The wheels (.whl: dflash, torchao, gguf) carried.
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/dflash-*.whl .whl/torchao-*.whl .whl/gguf-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+    g1="tests/gpu/test_gpu_training.py tests/run/test_gpu_usage.py"
+    g2="tests/gpu/test_fp8.py tests/train/test_real_eval.py tests/train/test_checkpoint_writer.py tests/model/test_dflash2_gpu.py"
+    ignore=$(for f in $g1 $g2; do printf -- "--ignore=%s " "$f"; done)
+    i=0
+    for group in "$g1" "$g2" "tests $ignore"; do
+      i=$((i + 1))
+      (timeout "${SUITE_S:-480}" python3 -m pytest -m gpu $group -q -rs -p no:cacheprovider --durations=5 \
+        > "$out/gpu_suite_g$i.log" 2>&1; echo "exit $? (124: cut by SUITE_S)" > "$out/gpu_suite_g$i.rc") &
+    done
+    wait
+    for i in 1 2 3; do echo "g$i: $(tail -1 "$out/gpu_suite_g$i.log") [$(cat "$out/gpu_suite_g$i.rc")]"; done ;;
   tests)
     python3 -m pytest -m gpu tests -q -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests.log" | tail -8
     python3 -c "
