@@ -7,6 +7,7 @@ the text."""
 
 from __future__ import annotations
 
+import importlib
 import random
 from types import SimpleNamespace
 
@@ -238,7 +239,7 @@ def test_sampled_hybrid_decoding_equals_the_eager_loop_draw_for_draw(hybrid, pro
 def test_what_the_fast_engine_refuses_of_linear_attention(hybrid, monkeypatch):
     assert unsupported_reason(hybrid, None, 0.0) is None
     assert unsupported_reason(hybrid, _random_drafter(hybrid), 0.7) is None
-    modeling = __import__(type(linear_state.linear_mixers(hybrid)[0]).__module__, fromlist=["_"])
+    modeling = importlib.import_module(type(linear_state.linear_mixers(hybrid)[0]).__module__)
     with monkeypatch.context() as patch:
         patch.delattr(modeling, linear_state.DELTA_RULE)
         assert linear_state.DELTA_RULE in unsupported_reason(hybrid, None, 0.0)
