@@ -125,7 +125,7 @@ class StaticHybridCache(StaticKVCache):
             _LinearLayer({0: self.conv[i]}, {0: self.recurrent[i]}) if i in mixers else None
             for i in range(layers)
         ]
-        self._modules = {sys.modules[type(m).__module__] for m in mixers.values()}
+        self._rule_modules = {sys.modules[type(m).__module__] for m in mixers.values()}
         self._verifying = False
         self._windows: dict[int, Tensor] = {}  # layer -> [rows, C, K + B]: old conv state, then the block's
         self._calls: dict[int, tuple[Callable, tuple, dict]] = {}  # layer -> its delta-rule call
@@ -202,10 +202,12 @@ class StaticHybridCache(StaticKVCache):
         """Around a forward over a block of several positions per row: the linear states stay as they were,
         and each layer's conv window and delta-rule call are kept for `commit`."""
         self._windows, self._calls, self._pending = {}, {}, []
-        originals = {module: getattr(module, DELTA_RULE) for module in self._modules}
+        originals = {module: getattr(module, DELTA_RULE) for module in self._rule_modules}
 
         def recording(rule: Callable) -> Callable:
             def record(*args, **kwargs):
+                if not {"g", "beta"} <= set(kwargs):  # the replay masks them by name
+                    raise RuntimeError(f"{DELTA_RULE} was called without g= and beta= keywords")
                 self._pending.append((rule, args, kwargs))
                 return rule(*args, **kwargs)
 
