@@ -10,6 +10,10 @@ every step. This engine keeps the same algorithm and changes only where the stat
 - a rejected draft needs no rollback for full or sliding attention: a row's keys past its committed length
   are masked out by the next step's mask and overwritten by its next verify (sliding layers keep every
   key and their mask sees only the window);
+- a Gated DeltaNet hybrid's linear layers keep their conv and recurrent states in per-row buffers of the
+  cache (`linear_state.StaticHybridCache`): a verify leaves them unchanged and, after acceptance, each row
+  takes the state of its own committed tokens in one batched pass (a gather and a masked replay of the
+  delta rule), inside the step a CUDA graph holds;
 - rows are ragged: each has its own committed length, accepts its own count per step, finishes on its
   own, and is refilled with the next prompt at once (`generate` over many prompts);
 - acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
