@@ -478,7 +478,8 @@ class EvalSettings:
         "auto",
         "auto: fast on a GPU (or with --batch-size > 1) where it can decode the pair, else eager; "
         "flashdraft or eager: the eager loop (the reference); fast: static buffers and CUDA graphs, "
-        "batched with --batch-size (full or sliding attention; else eager, with a note); "
+        "batched with --batch-size (full or sliding attention, Gated DeltaNet hybrids; else eager, "
+        "with a note); "
         "zlab: also run z-lab's dflash_generate on the same prompts and report its τ beside ours",
         choices=EVAL_ENGINES,
     )

@@ -10,6 +10,10 @@ every step. This engine keeps the same algorithm and changes only where the stat
 - a rejected draft needs no rollback for full or sliding attention: a row's keys past its committed length
   are masked out by the next step's mask and overwritten by its next verify (sliding layers keep every
   key and their mask sees only the window);
+- a Gated DeltaNet hybrid's linear layers keep their conv and recurrent states in per-row buffers of the
+  cache (`linear_state.StaticHybridCache`): a verify leaves them unchanged and, after acceptance, each row
+  takes the state of its own committed tokens in one batched pass (a gather and a masked replay of the
+  delta rule), inside the step a CUDA graph holds;
 - rows are ragged: each has its own committed length, accepts its own count per step, finishes on its
   own, and is refilled with the next prompt at once (`generate` over many prompts);
 - acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
@@ -32,11 +36,13 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from flashdraft.generate import linear_state
 from flashdraft.generate.kv_cache import StaticKVCache, step_masks
 from flashdraft.generate.sampling import (
     check_sampling,
@@ -61,24 +67,32 @@ def unsupported_reason(
 ) -> str | None:
     """Why the fast engine cannot decode this (None: it can). It needs a target whose layers are full or
     sliding-window attention storing their keys through `cache.update` and taking a per-layer-type dict
-    of ready 4-D masks (Llama, Qwen3 and their kin); a DFlash2 drafter decodes greedily only (its sampled
-    candidate walk draws through `torch.multinomial`, row by row)."""
+    of ready 4-D masks (Llama, Qwen3 and their kin), or Gated DeltaNet linear attention (Qwen3.5/3.6,
+    Qwen3-Next: `linear_state.py`); a DFlash2 drafter decodes greedily only (its sampled candidate walk
+    draws through `torch.multinomial`, row by row)."""
     from flashdraft.generate.static import unsupported_reason as static_reason
 
     text = target.config
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if kinds - {"full_attention", "sliding_attention"}:
+    if "hybrid" in kinds:
+        return "its hybrid layers hold attention keys and a recurrent state in one layer"
+    if kinds - {"full_attention", "sliding_attention", "linear_attention"}:
         return (
-            f"its layers are {', '.join(sorted(kinds))}: the fast engine handles full and sliding attention"
+            f"its layers are {', '.join(sorted(kinds))}: the fast engine handles full and sliding attention "
+            "and Gated DeltaNet linear attention"
         )
     if kinds == {"full_attention"}:
         reason = static_reason(target.model)
         if reason:
             return reason
-    elif not isinstance(getattr(text, "sliding_window", None), int):
+    elif "sliding_attention" in kinds and not isinstance(getattr(text, "sliding_window", None), int):
         return "its sliding layers name no sliding_window"
     elif not {"position_ids", "logits_to_keep"} <= set(inspect.signature(target.model.forward).parameters):
         return "its forward takes no position ids or logits_to_keep"
+    if "linear_attention" in kinds:
+        reason = linear_state.unsupported_reason(target)
+        if reason:
+            return reason
     if temperature != 0 and drafter is not None and getattr(drafter, "candidate_selector", None) is not None:
         return "a DFlash2 drafter samples its candidate walk on the eager loop"
     return None
@@ -140,6 +154,8 @@ class FastEngine:
         self.cache_argument = target._cache_kwarg
         sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
         self.window: int | None = int(target.config.sliding_window) if sliding else None
+        # Gated DeltaNet layers: their states sit in the cache's per-row buffers (linear_state.py)
+        self.mixers = linear_state.linear_mixers(target)
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.sampled = temperature > 0
@@ -152,9 +168,13 @@ class FastEngine:
     def _allocate(self, width: int) -> None:
         rows, block, device = self.rows, self.block, self.device
         self.width = width
-        self.kv = StaticKVCache(
-            self.target.model.config, rows, width, self.target.dtype, device, queries=block
-        )
+        config, dtype = self.target.model.config, self.target.dtype
+        if self.mixers:
+            self.kv = linear_state.StaticHybridCache(
+                config, self.mixers, rows, width, dtype, device, queries=block
+            )
+        else:
+            self.kv = StaticKVCache(config, rows, width, dtype, device, queries=block)
         self.anchor = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last committed token
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
         self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
@@ -180,6 +200,14 @@ class FastEngine:
             )
             self.no_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.graphs.clear()
+
+    def _masks(self, columns: Tensor, positions: Tensor) -> Tensor | dict[str, Tensor | None]:
+        """The target's attention masks (`step_masks`); a hybrid's linear layers take none (no padding)."""
+        masks = step_masks(columns, positions, self.window)
+        if not self.mixers:
+            return masks
+        by_kind = masks if isinstance(masks, dict) else {"full_attention": masks}
+        return {**by_kind, "linear_attention": None}
 
     def _visible(self, end: int) -> int:
         """The attended width for keys up to column `end` (exclusive), rounded up to the bucket."""
@@ -256,17 +284,19 @@ class FastEngine:
         if block > 1:
             masked = torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1)
             block_ids[:, 1:], draft_probs = self._proposals(self._draft(masked, positions, visible, proposed))
-        mask = step_masks(self.column_index[:visible], positions, self.window)
+        mask = self._masks(self.column_index[:visible], positions)
         self.kv.columns.copy_(positions)
         self.kv.visible = visible
-        output, features = self.target._run_with_capture(
-            stop_early=False,
-            input_ids=block_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_argument: self.kv},
-        )
+        rollback = bool(self.mixers) and block > 1  # linear states: kept as they were until `commit`
+        with self.kv.verifying() if rollback else nullcontext():
+            output, features = self.target._run_with_capture(
+                stop_early=False,
+                input_ids=block_ids,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                **{self.cache_argument: self.kv},
+            )
         # committed [rows, B]: the tokens each row would commit, the first `produced` of them kept
         if self.sampled:
             committed, produced = self._sampled_accept(output.logits, block_ids, draft_probs, proposed)
@@ -281,6 +311,8 @@ class FastEngine:
         produced = torch.minimum(produced, first_stop + 1)
         produced = torch.minimum(produced, self.max_new - self.count)
         produced = torch.where(self.active, produced, 0)
+        if rollback:  # each row's linear states: those of its committed tokens (an idle row's: unchanged)
+            self.kv.commit(produced)
         write = self.offsets[None, :] < produced[:, None]
         columns = torch.where(write, self.count[:, None] + self.offsets, self.max_new)
         self.out.scatter_(1, columns, committed)
@@ -357,7 +389,7 @@ class FastEngine:
         decodes on (its first token is neither a stop nor the last allowed)."""
         length = prompt.shape[1]
         positions = torch.arange(length, device=self.device)[None]
-        mask = step_masks(torch.arange(length, device=self.device), positions, self.window)
+        mask = self._masks(torch.arange(length, device=self.device), positions)
         with self.kv.prefilling(slice(row, row + 1), slice(0, length)):
             output, features = self.target._run_with_capture(
                 stop_early=False,
@@ -479,6 +511,7 @@ class FastEngine:
             "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
             "graphs_captured": len(self.graphs),
             "kv_bucket": self.bucket,
+            "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
         }
         if self.cuda_graphs and self.graph_failure:

@@ -243,7 +243,7 @@ class TargetModel:
 _CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
 
 
-def _recurrent_mixer(target: TargetModel, index: int) -> nn.Module:
+def recurrent_mixer(target: TargetModel, index: int) -> nn.Module:
     """The module of decoder layer `index` that advances its recurrent state: the one child whose forward
     takes the cache (Qwen3.5/Qwen3-Next: `linear_attn`, called with `cache=` or `cache_params=`)."""
     found = [
@@ -297,7 +297,7 @@ class DecodingCache:
                         "recurrent state in one layer, which flashdraft cannot roll back after a rejected "
                         "draft; evaluate this target with SGLang or vLLM"
                     )
-                self._mixers[index] = _recurrent_mixer(target, index)
+                self._mixers[index] = recurrent_mixer(target, index)
             elif isinstance(layer, DynamicSlidingWindowLayer):
                 layer.activate_past_recording()  # else `crop` raises once the window is full
             elif not isinstance(layer, DynamicLayer) and type(layer).__name__ != "DummyLayer":

@@ -1,7 +1,7 @@
 """GPU checks (marker `gpu`) of the fast engine's CUDA graphs (flashdraft/generate/fast.py): captured, and
 replaying them gives what eager steps of the same engine give, token for token and step for step, for
-batch 1 and for ragged batched rows, greedy and sampled. Run on the device machine:
-`python -m pytest -m gpu tests/generate/test_fast_engine_gpu.py`."""
+batch 1 and for ragged batched rows, greedy and sampled, and on a Gated DeltaNet hybrid. Run on the device
+machine: `python -m pytest -m gpu tests/generate/test_fast_engine_gpu.py`."""
 
 from __future__ import annotations
 
@@ -86,3 +86,38 @@ def test_fast_greedy_on_the_gpu_equals_the_eager_loop_in_fp32(pair):
     fast = FastEngine(target, drafter, NEW, rows=2).generate(prompts)
     for prompt, run in zip(prompts, fast, strict=True):
         assert run.tokens == generate(target, None, prompt, NEW).tokens
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair() -> tuple[TargetModel, DFlashDraftModel]:
+    """A Qwen3.5-style hybrid (Gated DeltaNet + full attention), on whatever kernels transformers picks
+    here (flash-linear-attention and causal-conv1d where installed)."""
+    model = build_model(tiny_config("qwen3_5", vocab_size=VOCAB, hidden_size=64, num_layers=4), seed=0)
+    target = TargetModel(model.to("cuda"), [1, 2])
+    config = make_drafter_config(
+        target.config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=[1, 2]
+    )
+    drafter = DFlashDraftModel(config)
+    drafter.init_weights(torch.Generator().manual_seed(0))
+    return target, drafter.to("cuda").eval()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_hybrid_cuda_graphs_replay_what_eager_steps_compute(hybrid_pair, rows, speculative):
+    """The linear states' verify, ragged commit and refill inside the captured step: replays equal eager
+    steps of the same engine, and the eager loop."""
+    target, drafter = hybrid_pair
+    drafter = drafter if speculative else None
+    prompts = _prompts(5)
+    graphs = FastEngine(target, drafter, NEW, rows=rows)
+    replayed = graphs.generate(prompts)
+    record = graphs.describe()
+    assert record["linear_attention_layers"] == 3
+    assert record["cuda_graphs"], record.get("cuda_graphs_failed")
+    stepped = FastEngine(target, drafter, NEW, rows=rows, cuda_graphs=False).generate(prompts)
+    assert [r.tokens for r in replayed] == [r.tokens for r in stepped]
+    assert [r.accepted for r in replayed] == [r.accepted for r in stepped]
+    for prompt, run in zip(prompts[:2], replayed, strict=False):
+        reference = generate(target, drafter, prompt, NEW)
+        assert run.tokens == reference.tokens and run.accepted == reference.accepted

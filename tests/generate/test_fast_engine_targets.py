@@ -65,15 +65,15 @@ def test_sliding_window_target_past_its_window_equals_the_eager_loop(rows):
     assert [r.tokens for r in engine.generate(prompts)] != [r.tokens for r in eager]
 
 
-def test_linear_attention_hybrids_stay_on_the_eager_loop():
-    hybrid = TargetModel(
-        build_model(tiny_config("qwen3_5", vocab_size=VOCAB, hidden_size=32, num_layers=4)), [1]
-    )
-    assert "linear_attention" in unsupported_reason(hybrid, None, 0.0)
+def test_layer_kinds_the_fast_engine_does_not_know_stay_on_the_eager_loop(monkeypatch):
+    """Full attention decodes, greedy and sampled; a layer kind it does not know is refused with its name
+    (Gated DeltaNet hybrids: tests/generate/test_fast_engine_hybrid.py)."""
     full = TargetModel(build_model(tiny_config("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=2)), [1])
     assert unsupported_reason(full, None, 0.0) is None
     assert (
         unsupported_reason(full, None, 0.7) is None
     )  # sampling: tests/generate/test_fast_engine_sampling.py
-    with pytest.raises(ValueError, match="linear_attention"):
-        FastEngine(hybrid, None, 4)
+    monkeypatch.setattr(full.config, "layer_types", ["full_attention", "chunked_attention"])
+    assert "chunked_attention" in unsupported_reason(full, None, 0.0)
+    with pytest.raises(ValueError, match="chunked_attention"):
+        FastEngine(full, None, 4)
