@@ -17,7 +17,8 @@
 Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
 `gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
 update, docs/training-safety.md), `clip_and_step(max_norm, norm)`, and `discard_gradients()` (after a
-step, or instead of a skipped one).
+step, or instead of a skipped one). `ClippedTorchOptimizer` and `MasterWeightOptimizer` hold those calls
+apart from the update, so train/muon.py's Muon has them too (`train.optimizer=muon`).
 """
 
 from __future__ import annotations
