@@ -66,9 +66,11 @@ def _set_schedule(optimizers, step: int) -> None:
 def _step_both(ours, params, reference, theirs, step: int, micro_batches: int = 1) -> None:
     """One step of both from the same bf16 gradients (summed in fp32 over micro-batches), clipped at 1.0 on
     odd steps and not on even ones, by the global norm of all gradients."""
-    total = [torch.zeros(s) for s in (*MATRICES, *OTHERS)]
+    device = params[0].device
+    total = [torch.zeros(s, device=device) for s in (*MATRICES, *OTHERS)]
     for micro in range(micro_batches):
-        grads = [g.bfloat16() for g in _values(100 * step + micro, scale=3.0 if step % 2 else 0.003)]
+        drawn = _values(100 * step + micro, scale=3.0 if step % 2 else 0.003)
+        grads = [g.bfloat16().to(device) for g in drawn]
         if micro:
             ours.accumulate_gradients()
         for p, g, t in zip(params, grads, total, strict=True):
@@ -102,12 +104,13 @@ def test_fp32_muon_with_adamw_is_torch_muon_and_adamw_under_one_clip():
         assert not torch.equal(p.detach(), start)
 
 
-def test_master_weight_muon_matches_torch_muon_on_fp32_copies():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_master_weight_muon_matches_torch_muon_on_fp32_copies(device):
     """bf16 parameters: the fp32 masters follow torch's Muon and AdamW run on fp32 copies fed the same
     gradients (summed in fp32 over two micro-batches), within float rounding, through clipped and
     unclipped steps and a changing lr; the model's weights are the rounded masters."""
-    params = [torch.nn.Parameter(v.bfloat16()) for v in _values(0)]
-    reference = [torch.nn.Parameter(v.bfloat16().float()) for v in _values(0)]
+    params = [torch.nn.Parameter(v.bfloat16().to(device)) for v in _values(0)]
+    reference = [torch.nn.Parameter(v.bfloat16().float().to(device)) for v in _values(0)]
     ours, theirs = _ours(params), _reference(reference)
     assert isinstance(ours.parts["muon"], MasterWeightMuon)
     assert isinstance(ours.parts["adamw"], MasterWeightAdamW)
@@ -118,9 +121,9 @@ def test_master_weight_muon_matches_torch_muon_on_fp32_copies():
         master = ours.parts["muon" if p.ndim == 2 else "adamw"].state[p]["master"]
         assert torch.allclose(master, r.detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(p.detach(), master.bfloat16())
-    starts = _values(0)[: len(MATRICES)]
+    starts = [v.bfloat16().float().to(device) for v in _values(0)[: len(MATRICES)]]
     for p, start in zip(params, starts, strict=False):  # Muon did move every matrix
-        assert float((ours.parts["muon"].state[p]["master"] - start.bfloat16().float()).abs().max()) > 1e-3
+        assert float((ours.parts["muon"].state[p]["master"] - start).abs().max()) > 1e-3
 
 
 def test_newton_schulz_orthogonalises():
