@@ -191,6 +191,9 @@ EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than rege
 BEST_BY = ("simulated_tau", "real_tau", "loss")  # train.best_by: eval row keys tau, real_tau, loss
 
 
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+
+
 @dataclass
 class TrainConfig:
     out_dir: str = doc("runs/flashdraft", "Run output: checkpoints, metrics.jsonl, TensorBoard events.")
@@ -207,7 +210,22 @@ class TrainConfig:
     batch_size: int = doc(1, "Sequences per micro-batch.")
     grad_accum: int = doc(1, "Micro-batches per optimizer step.")
     lr: float = doc(6e-4, "Peak learning rate of AdamW (paper: 6e-4).")
-    weight_decay: float = doc(0.0, "AdamW weight decay.")
+    weight_decay: float = doc(0.0, "AdamW weight decay (with train.optimizer=muon, Muon's too).")
+    optimizer: str = doc(
+        "adamw",
+        "'adamw' (the paper's), or 'muon': Muon (momentum orthogonalised by Newton-Schulz) for the 2-D weight "
+        "matrices of the drafter's own layers and its feature fusion fc, the matrices of hidden layers that "
+        "Muon is made for, and AdamW for the rest (norms, DFlash2's selector and base kernels: 1-D, "
+        "embedding-like or head-like). Measured against adamw: pending (docs/training-loop.md). Not with "
+        "distributed.data_parallel=fsdp (Muon needs whole matrices).",
+        choices=OPTIMIZERS,
+    )
+    muon_lr: float | None = doc(
+        None,
+        "Peak learning rate of the Muon part (None: train.lr). Each matrix's step is scaled to AdamW's RMS "
+        "(torch's adjust_lr_fn='match_rms_adamw'), so the AdamW lr carries over; it follows the same schedule.",
+    )
+    muon_momentum: float = doc(0.95, "Muon's momentum (Nesterov; torch's default 0.95).")
     warmup_ratio: float = doc(0.04, "Fraction of steps with linear warm-up (paper: 0.04).")
     min_lr_ratio: float = doc(0.0, "Cosine schedule floor as a fraction of lr.")
     grad_clip: float = doc(1.0, "Global gradient-norm clip (paper: 1.0).")
@@ -763,6 +781,7 @@ def validate(config: Config) -> None:
         *_train_checks(config.train),
         *_distributed_checks(config.distributed),
         *_real_eval_checks(config.train, config.data, config.distributed),
+        *_optimizer_placement_checks(config.train, config.distributed),
     ]
     for ok, message in checks:
         if not ok:
@@ -834,6 +853,7 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
             t.lr * t.weight_decay < 1,  # AdamW multiplies the weights by 1 - lr * weight_decay
             f"train.lr * train.weight_decay must be below 1, got {t.lr} * {t.weight_decay}",
         ),
+        *_muon_checks(t),
         (0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}"),
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
         (t.grad_clip > 0, f"train.grad_clip must be positive (a global-norm limit), got {t.grad_clip}"),
@@ -892,6 +912,34 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (t.keep_last >= 1, f"train.keep_last must be at least 1, got {t.keep_last}"),
         (t.max_bad_steps >= 1, f"train.max_bad_steps must be at least 1, got {t.max_bad_steps}"),
         (bool(t.resume.strip()), "train.resume must be auto, never or a checkpoint path, got ''"),
+    ]
+
+
+def _muon_checks(t: TrainConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the optimizer choice and Muon's settings."""
+    return [
+        (
+            t.optimizer in OPTIMIZERS,
+            f"train.optimizer must be {' or '.join(OPTIMIZERS)}, got {t.optimizer!r}",
+        ),
+        (t.muon_lr is None or t.muon_lr > 0, f"train.muon_lr must be positive, got {t.muon_lr}"),
+        (
+            (t.muon_lr or t.lr) * t.weight_decay < 1,  # Muon decays as AdamW does: by 1 - lr * weight_decay
+            f"train.muon_lr * train.weight_decay must be below 1, got {t.muon_lr or t.lr} * {t.weight_decay}",
+        ),
+        (0 <= t.muon_momentum < 1, f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
+    ]
+
+
+def _optimizer_placement_checks(t: TrainConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the optimizer against how the drafter is spread over the ranks."""
+    return [
+        (
+            t.optimizer != "muon" or dist.data_parallel != "fsdp",
+            "train.optimizer=muon with distributed.data_parallel=fsdp: Muon orthogonalises each weight matrix "
+            "whole, and FSDP gives each rank a shard of it; use distributed.data_parallel=ddp (or auto), or "
+            "train.optimizer=adamw",
+        ),
     ]
 
 

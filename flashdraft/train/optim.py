@@ -17,7 +17,8 @@
 Both expose the same calls the trainer uses: `accumulate_gradients()` between micro-batches,
 `gradients(fp32=...)` (the tensors to all-reduce), `grad_norm()` (checked for finiteness before any
 update, docs/training-safety.md), `clip_and_step(max_norm, norm)`, and `discard_gradients()` (after a
-step, or instead of a skipped one).
+step, or instead of a skipped one). `ClippedTorchOptimizer` and `MasterWeightOptimizer` hold those calls
+apart from the update, so train/muon.py's Muon has them too (`train.optimizer=muon`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
+ADAMW_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def global_norm(grads: list[Tensor]) -> Tensor:
@@ -55,8 +56,12 @@ def _ensure_grads(params: list[Tensor]) -> list[Tensor]:
     return [p.grad for p in params]
 
 
-class ClippedAdamW(torch.optim.AdamW):
-    """torch's AdamW over fp32 parameters; fp32 `.grad` accumulates over backward passes by itself."""
+class ClippedTorchOptimizer:
+    """The trainer's calls over one of torch's optimizers of fp32 parameters (mixed in before it: `class
+    X(ClippedTorchOptimizer, torch.optim.Y)`); fp32 `.grad` accumulates over backward passes by itself."""
+
+    param_groups: list[dict]
+    defaults: dict
 
     def accumulate_gradients(self) -> None:
         pass
@@ -100,6 +105,10 @@ class ClippedAdamW(torch.optim.AdamW):
         self.zero_grad(set_to_none=True)
 
 
+class ClippedAdamW(ClippedTorchOptimizer, torch.optim.AdamW):
+    """torch's AdamW over fp32 parameters, with the trainer's calls."""
+
+
 def adamw_update(
     grad: Tensor,
     weights: Tensor,
@@ -137,10 +146,11 @@ SLOT_ALIGN = 64
 
 class FlatGroup:
     """One parameter group laid out in flat buffers: the model's low-precision weights (each parameter
-    becomes a view of its slot), fp32 masters and moments, and the step's gradients, gathered into one
-    buffer. One update call then covers the whole group, whatever its tensor count."""
+    becomes a view of its slot), fp32 masters and the optimizer's `moments` (by name), and the step's
+    gradients, gathered into one buffer. One update call then covers the whole group, whatever its tensor
+    count."""
 
-    def __init__(self, params: list[Tensor]):
+    def __init__(self, params: list[Tensor], moments: tuple[str, ...] = ADAMW_MOMENTS):
         first = params[0]
         for p in params:
             if p.dtype != first.dtype or p.device != first.device:
@@ -158,8 +168,7 @@ class FlatGroup:
         # slots stay zero in every buffer (zero gradient, zero master), so they never change anything.
         self.weights = torch.zeros(total, dtype=first.dtype, device=first.device)
         self.master = torch.zeros(total, dtype=torch.float32, device=first.device)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.moments = {name: torch.zeros_like(self.master) for name in moments}  # fp32, as the masters
         self.grad = torch.zeros_like(self.weights)  # the step's gradients, when they are not summed
         self.grad_sum: Tensor | None = None  # fp32 sums of micro-batches or ranks, allocated on first use
         with torch.no_grad():
@@ -204,31 +213,23 @@ class FlatGroup:
                 )
 
 
-class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums, each
-    parameter group in flat buffers (`FlatGroup`). `compile` (CUDA) compiles the update into one kernel
-    per group."""
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """What every optimizer of low-precision parameters with fp32 master weights shares: each parameter
+    group in flat buffers (`FlatGroup`) with the optimizer's fp32 `moments`, the step's gradients gathered
+    (and summed in fp32) there, their norm, the clip, and a state dict that keeps the fp32 state exactly.
+    A subclass gives the update: `step()`, reading `_flat_gradients()` and `_grad_multiplier`."""
 
-    def __init__(
-        self,
-        params: Iterable[Tensor],
-        *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        compile: bool = False,
-    ):
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        # one graph of a few flat tensors: compiling it takes seconds whatever the drafter's size
-        self.update = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile else adamw_update
+    def __init__(self, params: Iterable[Tensor], defaults: dict, moments: tuple[str, ...]):
+        super().__init__(params, defaults)
+        self.state_keys = ("master", *moments)  # each parameter's state, as views of the flat buffers
         self.steps = 0
-        self._grad_multiplier: Tensor | None = None
-        self.groups = [FlatGroup(group["params"]) for group in self.param_groups if group["params"]]
+        self._grad_multiplier: Tensor | None = None  # the clip factor, during clip_and_step
+        self.groups = [FlatGroup(group["params"], moments) for group in self.param_groups if group["params"]]
         for group in self.groups:
-            slots = zip(*(group.slots(getattr(group, k)) for k in MASTER_STATE), strict=True)
+            flats = [group.master, *group.moments.values()]
+            slots = zip(*(group.slots(flat) for flat in flats), strict=True)
             for p, views in zip(group.params, slots, strict=True):
-                self.state[p].update(zip(MASTER_STATE, views, strict=True))
+                self.state[p].update(zip(self.state_keys, views, strict=True))
         # The step's gradients once gathered (fp32 sums or a copy of the params' .grad), reused by
         # grad_norm(), the all-reduce and step() until the next micro-batch, step or discard.
         self._gathered: list[Tensor] | None = None
@@ -263,6 +264,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.gradients()
         return [group.grad_sum if self._summed else group.grad for group in self.groups]
 
+    def _step_done(self) -> None:
+        self._gathered = None
+        self._summed = False
+
     def grad_norm(self) -> Tensor:
         """The global L2 norm of the step's gradients, in fp32 (a device scalar: no sync): one reduction
         per flat buffer."""
@@ -271,8 +276,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def discard_gradients(self) -> None:
         """Drop the step's gradients, fp32 sums included (after a step, or instead of a skipped one)."""
-        self._gathered = None
-        self._summed = False
+        self._step_done()
         for p in _params(self):
             p.grad = None
 
@@ -284,6 +288,66 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         finally:
             self._grad_multiplier = None
         return norm
+
+    def state_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "state": [{k: self.state[p][k] for k in self.state_keys} for p in _params(self)],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore fp32 masters and moments exactly (torch's default would cast them to the bf16 param dtype)
+        and set the parameters from the masters."""
+        params = _params(self)
+        saved = state_dict.get("state")
+        if (
+            saved is None
+            or len(saved) != len(params)
+            or len(state_dict["param_groups"]) != len(self.param_groups)
+        ):
+            raise ValueError(
+                "optimizer state does not match the drafter (another model, or fp32 weights: "
+                "set train.master_weights as in the run that wrote it)"
+            )
+        for p, entry in zip(params, saved, strict=True):
+            for k in self.state_keys:
+                if k not in entry:
+                    raise ValueError(
+                        f"optimizer state: no {k} (the state of another optimizer: train.optimizer?)"
+                    )
+                if entry[k].shape != p.shape:
+                    raise ValueError(
+                        f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}"
+                    )
+                self.state[p][k].copy_(entry[k])
+        with torch.no_grad():
+            for group in self.groups:
+                group.weights.copy_(group.master)
+        for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(hyper)
+        self.steps = state_dict["steps"]
+
+
+class MasterWeightAdamW(MasterWeightOptimizer):
+    """AdamW over low-precision parameters with fp32 master weights, moments and gradient sums, each
+    parameter group in flat buffers (`FlatGroup`). `compile` (CUDA) compiles the update into one kernel
+    per group."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        compile: bool = False,
+    ):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults, ADAMW_MOMENTS)
+        # one graph of a few flat tensors: compiling it takes seconds whatever the drafter's size
+        self.update = torch.compile(adamw_update, fullgraph=True, dynamic=False) if compile else adamw_update
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -304,8 +368,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 flat_grad,
                 group.weights,
                 group.master,
-                group.exp_avg,
-                group.exp_avg_sq,
+                group.moments["exp_avg"],
+                group.moments["exp_avg_sq"],
                 values.to(device, non_blocking=True),
                 multiplier if multiplier is not None else torch.ones((), device=device),
                 beta1,
@@ -313,43 +377,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 setting["eps"],
                 setting["weight_decay"],
             )
-        self._gathered = None
-        self._summed = False
-
-    def state_dict(self) -> dict:
-        return {
-            "steps": self.steps,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "state": [{k: self.state[p][k] for k in MASTER_STATE} for p in _params(self)],
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore fp32 masters and moments exactly (torch's default would cast them to the bf16 param dtype)
-        and set the parameters from the masters."""
-        params = _params(self)
-        saved = state_dict.get("state")
-        if (
-            saved is None
-            or len(saved) != len(params)
-            or len(state_dict["param_groups"]) != len(self.param_groups)
-        ):
-            raise ValueError(
-                "optimizer state does not match the drafter (another model, or fp32 weights: "
-                "set train.master_weights as in the run that wrote it)"
-            )
-        for p, entry in zip(params, saved, strict=True):
-            for k in MASTER_STATE:
-                if entry[k].shape != p.shape:
-                    raise ValueError(
-                        f"optimizer state: {k} of shape {tuple(entry[k].shape)} for a parameter of shape {tuple(p.shape)}"
-                    )
-                self.state[p][k].copy_(entry[k])
-        with torch.no_grad():
-            for group in self.groups:
-                group.weights.copy_(group.master)
-        for group, hyper in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update(hyper)
-        self.steps = state_dict["steps"]
+        self._step_done()
 
 
 def make_optimizer(params: list[Tensor], *, lr: float, weight_decay: float, compile: bool = False):

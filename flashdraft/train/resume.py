@@ -176,7 +176,7 @@ def restore_training(
     except (ValueError, KeyError, RuntimeError) as exc:
         raise FlashdraftError(
             f"train.resume: the optimizer state in {point.path} does not fit this run "
-            f"(train.master_weights, train.dtype or the drafter changed?): {exc}"
+            f"(train.master_weights, train.dtype, train.optimizer or the drafter changed?): {exc}"
         ) from None
     scheduler.load_state_dict(saved["scheduler"])
     sampler.load_state_dict(saved["sampler"])

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from flashdraft.config import Config, to_dict
+from flashdraft.config import Config, TrainConfig, to_dict
 from flashdraft.distributed.parallelize import Placement, full_state_dicts, pad_multiple, unsharded_copy
 from flashdraft.distributed.roles import StepHooks
 from flashdraft.distributed.topology import (
@@ -55,6 +55,7 @@ from flashdraft.train.flops import peak_tflops
 from flashdraft.train.inputs import TrainingData
 from flashdraft.train.loss import WeightedHeadLoss, selector_weight
 from flashdraft.train.metrics import MetricsLogger
+from flashdraft.train.muon import make_muon_optimizer, muon_matrices
 from flashdraft.train.objective import Objective
 from flashdraft.train.optim import make_optimizer
 from flashdraft.train.prefetch import DrawnStep, StepPrefetcher
@@ -501,9 +502,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
     eval_objective = (
         objective if parallel.sharded else bind_objective(run.drafter, run.target, t, loss, placement)
     )
-    optimizer = make_optimizer(
-        list(run.drafter.parameters()), lr=t.lr, weight_decay=t.weight_decay, compile=placement.compiled
-    )
+    optimizer = drafter_optimizer(run.drafter, t, compile=placement.compiled)
     state = TrainState(best_by=t.best_by)
     scheduler = make_scheduler(optimizer, t, run.data.total_steps, state)
     if run.resume_from is not None:
@@ -569,6 +568,23 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         peak_tflops=peak_tflops(run.device),
         real_eval=real_eval,
     )
+
+
+def drafter_optimizer(drafter: torch.nn.Module, t: TrainConfig, compile: bool) -> torch.optim.Optimizer:
+    """train.optimizer over the drafter's parameters: AdamW, or Muon for its hidden-layer matrices with
+    AdamW for the rest (train/muon.py). Built after placement: the master weights view the placed weights."""
+    params = list(drafter.parameters())
+    if t.optimizer == "muon":
+        return make_muon_optimizer(
+            params,
+            muon_matrices(drafter),
+            lr=t.lr,
+            muon_lr=t.muon_lr if t.muon_lr is not None else t.lr,
+            momentum=t.muon_momentum,
+            weight_decay=t.weight_decay,
+            compile=compile,
+        )
+    return make_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, compile=compile)
 
 
 def training_line(run: RunStart, placement: Placement) -> str:

@@ -1,7 +1,8 @@
 """DDP with the master-weight optimizer (flashdraft/train/optim.py): the optimizer re-points the
 parameters into its flat weight buffer after DDP has wrapped the model, and DDP's bucket-view gradients
 (summed by the two-rank bf16 hook) still reach the update. Each rank ends with the weights one process
-computes from the two ranks' gradients summed."""
+computes from the two ranks' gradients summed. The same with Muon for the weight matrices beside AdamW
+(train.optimizer=muon, flashdraft/train/muon.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashdraft.distributed.parallelize import apply_data_parallel
+from flashdraft.train.muon import make_muon_optimizer
 from flashdraft.train.optim import MasterWeightAdamW
 
 pytestmark = pytest.mark.slow
@@ -23,15 +25,23 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 8)).bfloat16()
 
 
+def _optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if kind == "adamw":
+        return MasterWeightAdamW(params, lr=1e-2)
+    matrices = [p for p in params if p.ndim == 2]
+    return make_muon_optimizer(params, matrices, lr=1e-2, muon_lr=1e-2, momentum=0.95, weight_decay=0.0)
+
+
 def _inputs(rank: int, step: int) -> torch.Tensor:
     return torch.randn(16, 24, generator=torch.Generator().manual_seed(100 * step + rank)).bfloat16()
 
 
-def _rank(rank: int, store: str, results) -> None:
+def _rank(rank: int, store: str, kind: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model = _model()
     parallel = apply_data_parallel(model, "ddp", torch.device("cpu"), bf16_compute=True)
-    opt = MasterWeightAdamW(list(model.parameters()), lr=1e-2)  # built after DDP, as the trainer does
+    opt = _optimizer(model, kind)  # built after DDP, as the trainer does
     for step in range(STEPS):
         parallel.module(_inputs(rank, step)).float().square().sum().backward()
         opt.clip_and_step(1.0)
@@ -41,12 +51,13 @@ def _rank(rank: int, store: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_ddp_gradients_reach_the_flat_master_weight_update(tmp_path):
+@pytest.mark.parametrize("kind", ["adamw", "muon"])
+def test_ddp_gradients_reach_the_flat_master_weight_update(tmp_path, kind):
     results = mp.Manager().dict()
-    mp.spawn(_rank, args=(str(tmp_path / "store"), results), nprocs=2)
+    mp.spawn(_rank, args=(str(tmp_path / "store"), kind, results), nprocs=2)
     model = _model()
     params = list(model.parameters())
-    opt = MasterWeightAdamW(params, lr=1e-2)
+    opt = _optimizer(model, kind)
     for step in range(STEPS):
         per_rank = []
         for rank in range(2):

@@ -188,7 +188,7 @@ def test_parameters_become_aligned_views_of_one_flat_weight_buffer():
     used = torch.zeros(group.weights.numel(), dtype=torch.bool)
     for o, n in zip(group.offsets, group.numels, strict=True):
         used[o : o + n] = True
-    for flat in (group.weights, group.master, group.exp_avg, group.exp_avg_sq):
+    for flat in (group.weights, group.master, *group.moments.values()):
         assert not flat[~used].any()
     assert all(torch.equal(p, opt.state[p]["master"].bfloat16()) for p in params)  # the views moved too
 

@@ -248,6 +248,35 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
     assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muon_resumes_exactly_and_learns(tmp_path, qwen3_target, train_file, monkeypatch, dtype):
+    """train.optimizer=muon in both precisions (torch's Muon over fp32 weights; fp32 masters of bf16 ones):
+    a crash after the step-4 checkpoint and a resume give the straight run's losses exactly (the
+    momenta, masters and both parts' lr schedule restored), and the loss falls."""
+    muon = {
+        "train.optimizer": "muon",
+        "train.dtype": dtype,
+        "train.lr": 5e-3,
+        "train.max_steps": 12,
+        "train.grad_accum": 2,
+        "train.batch_size": 1,
+        **PAPER_WEIGHTS,
+    }
+    straight = tmp_path / "straight"
+    train(load_config(None, _overrides(qwen3_target, train_file, straight, **muon)))
+    crashed = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        crash_after_checkpoint(patch, 4)
+        with pytest.raises(RuntimeError, match="injected failure at step 4"):
+            train(load_config(None, _overrides(qwen3_target, train_file, crashed, **muon)))
+    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=True)
+    assert set(state["optimizer"]) == {"adamw", "muon"}
+    train(load_config(None, _overrides(qwen3_target, train_file, crashed, **muon)))
+    a, b = _losses(straight), _losses(crashed)
+    assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
+    assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
+
+
 def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwen3_target, train_file):
     """resume=never into an out_dir with checkpoints would interleave two runs' step directories (and a later
     resume=auto could pick the older run's last step): refused before any work, naming the way out."""
