@@ -176,7 +176,7 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
 def test_trainer_compiles_the_target_once_beside_the_drafter(tmp_path, qwen3_target):
     """train.compile_target=true in the trainer (bf16, flex, a one-layer drafter: the smallest recompile
     limit, real τ decoded through the target's layers at each evaluation): no recompile-limit error, and
-    the target's layers compiled to one graph for every layer and length (docs/fp8.md, "The target's
+    the target's layers compiled to one graph for every layer and length (two at most) (docs/fp8.md, "The target's
     forward"). This is what failed at d7d3b62, the decode's cache writes compiled once per layer."""
     from flashdraft.config import load_config
     from flashdraft.distributed.parallelize import _run_decoder_layer
@@ -209,7 +209,8 @@ def test_trainer_compiles_the_target_once_beside_the_drafter(tmp_path, qwen3_tar
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "eval" and "real_tau" in r] == [6, 12]
     graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(_run_decoder_layer)
-    assert len(graphs) == 1, len(graphs)
+    # one graph; a second only if some batch had one row (dynamic=True still specialises a size of 1)
+    assert 1 <= len(graphs) <= 2, len(graphs)
 
 
 @pytest.mark.parametrize("master_weights", [True, False])
