@@ -281,8 +281,8 @@ class TrainConfig:
     compile_target: bool = doc(
         False,
         "torch.compile the frozen target's decoder layers on GPU for feature extraction (not a hybrid "
-        "target's, nor one sharded by distributed.target_parallel). Off by default: in the trainer the "
-        "layers still recompile per layer and hit the recompile limit (docs/fp8.md).",
+        "target's, nor one sharded by distributed.target_parallel); decoding through it stays eager. Off by "
+        "default until a GPU run confirms the trainer compiles one graph per layer kind (docs/fp8.md).",
     )
     activation_checkpointing: bool = doc(False, "Recompute drafter layer activations in the backward pass.")
     loss_chunk: int = doc(2048, "Block positions per LM-head chunk of the fused cross-entropy.")

@@ -36,7 +36,7 @@ from flashdraft.distributed.float8 import PRECISIONS, check_float8_device, conve
 from flashdraft.distributed.target_parallel import GroupTarget
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.model.target import TargetModel
+from flashdraft.model.target import CACHE_PARAMETERS, TargetModel
 
 # A batch's context (its padded length) changes from step to step. Compiled with every input static, a
 # drafter layer compiles for the first length, then again at the first other one with that length made
@@ -293,10 +293,19 @@ def block_input_needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> tupl
     return (args[0].detach().requires_grad_(), *args[1:]), kwargs
 
 
-def guard_compile(num_layers: int) -> None:
-    """Make every silent compile degradation loud (docs/processes.md)."""
+# What each compiled code object may compile, by who asked (guard_compile): dynamo has one recompile limit
+# for every code object, so it is the largest of these (the drafter's layers and the target's layers are
+# separate code objects, each counted against it on its own).
+_RECOMPILE_BUDGETS: dict[str, int] = {}
+
+
+def guard_compile(num_layers: int, *, owner: str = "drafter") -> None:
+    """Make every silent compile degradation loud (docs/processes.md). `num_layers`: the layers (or layer
+    kinds) of `owner` sharing one compiled code object; the recompile limit allows each its
+    RECOMPILES_PER_LAYER, and never drops below another owner's need."""
+    _RECOMPILE_BUDGETS[owner] = RECOMPILES_PER_LAYER * max(1, num_layers)
     cfg = torch._dynamo.config
-    cfg.recompile_limit = RECOMPILES_PER_LAYER * max(1, num_layers)
+    cfg.recompile_limit = max(_RECOMPILE_BUDGETS.values())
     cfg.fail_on_recompile_limit_hit = True
     cfg.suppress_errors = False
     if hasattr(cfg, "error_on_nested_fx_trace"):
@@ -326,19 +335,55 @@ def target_compile_refusal(target: TargetModel) -> str | None:
     return None
 
 
+def target_layer_kinds(target: TargetModel) -> int:
+    """How many graphs the target's compiled layers need: one per layer kind (config.layer_types: full
+    attention, sliding attention), since a kind's own attributes (its sliding window, its mask) are baked
+    into its graph; the layers of one kind differ only in their weights, which are graph inputs."""
+    layer_types = getattr(target.config, "layer_types", None) or ()
+    return max(1, len(set(layer_types[: target.num_layers])))
+
+
+def _run_decoder_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """One decoder layer's own forward, the layer an argument: compiled, this is one code object for every
+    layer, and with `inline_inbuilt_nn_modules` the layer's parameters are graph inputs, not constants, so
+    every layer of a kind reuses one graph."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+class CompiledLayerForward:
+    """A decoder layer's `forward` for feature extraction: the shared compiled graph when the call carries
+    no cache, the layer's eager forward when it does. Decoding (the real τ during training, the fast
+    engine's static cache) reads per-layer attributes such as `layer_idx` to write its cache: compiled, that
+    was one graph per layer and per cache state, the recompile storm the trainer turned into an error."""
+
+    def __init__(self, layer: nn.Module, compiled: Any):
+        self.layer = layer
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get(name) is not None for name in CACHE_PARAMETERS):
+            return type(self.layer).forward(self.layer, *args, **kwargs)
+        return self.compiled(self.layer, *args, **kwargs)
+
+
 def compile_decoder_layers(target: TargetModel) -> None:
-    """torch.compile each decoder layer's `forward`, not its call, so that the capture hooks, which stop the
-    forward after the last feature layer, run outside the compiled code. All layers share one graph, dynamic
-    in batch and length from the first compile (a new padded length compiles nothing). The causal mask and
-    RoPE are still built by the model's own forward, uncompiled: with no padding, SDPA takes `is_causal`."""
+    """Route each decoder layer's `forward`, not its call, through one compiled function, so that the
+    capture hooks, which stop the forward after the last feature layer, run outside the compiled code. All
+    layers of a kind share one graph, dynamic in batch and length from the first compile (a new padded
+    length compiles nothing); calls with a cache (decoding) stay eager. The causal mask and RoPE are still
+    built by the model's own forward, uncompiled: with no padding, SDPA takes `is_causal`. The recompile
+    limit counts the target's graphs beside the drafter's (`guard_compile`)."""
+    guard_compile(target_layer_kinds(target), owner="target")
+    compiled = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=True)
     for layer in target.layers:
-        layer.forward = torch.compile(layer.forward, fullgraph=True, dynamic=True)
+        layer.forward = CompiledLayerForward(layer, compiled)
 
 
-def compile_target(target: TargetModel) -> bool:
+def compile_target(target: TargetModel, *, _on_cpu: bool = False) -> bool:
     """Compile the frozen target's decoder layers for feature extraction on a GPU (docs/fp8.md, "The
-    target's forward"); returns whether it did (on the CPU, or see `target_compile_refusal`, it does not)."""
-    if target.device.type != "cuda" or target_compile_refusal(target) is not None:
+    target's forward"); returns whether it did (on the CPU, or see `target_compile_refusal`, it does not).
+    `_on_cpu`: tests only, compile on the CPU too (inductor runs there), through the trainer's own path."""
+    if (target.device.type != "cuda" and not _on_cpu) or target_compile_refusal(target) is not None:
         return False
     compile_decoder_layers(target)
     return True

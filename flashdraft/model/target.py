@@ -240,7 +240,8 @@ class TargetModel:
         return output.logits, features
 
 
-_CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
+# The names a transformers module's forward takes its cache by (they changed across versions).
+CACHE_PARAMETERS = ("cache", "cache_params", "past_key_values")
 
 
 def recurrent_mixer(target: TargetModel, index: int) -> nn.Module:
@@ -249,7 +250,7 @@ def recurrent_mixer(target: TargetModel, index: int) -> nn.Module:
     found = [
         child
         for child in target.layers[index].children()
-        if any(p in inspect.signature(child.forward).parameters for p in _CACHE_PARAMETERS)
+        if any(p in inspect.signature(child.forward).parameters for p in CACHE_PARAMETERS)
     ]
     if len(found) != 1:
         raise FlashdraftError(

@@ -173,6 +173,46 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
     assert all(g["phases"]["forward.dynamo_cumulative_compile_time"] > 0 for g in compiled["graphs"])
 
 
+def test_trainer_compiles_the_target_once_beside_the_drafter(tmp_path, qwen3_target):
+    """train.compile_target=true in the trainer (bf16, flex, a one-layer drafter: the smallest recompile
+    limit, real τ decoded through the target's layers at each evaluation): no recompile-limit error, and
+    the target's layers compiled to one graph for every layer and length (two at most) (docs/fp8.md, "The target's
+    forward"). This is what failed at d7d3b62, the decode's cache writes compiled once per layer."""
+    from flashdraft.config import load_config
+    from flashdraft.distributed.parallelize import _run_decoder_layer
+    from flashdraft.train.trainer import train
+
+    data = tmp_path / "d.jsonl"
+    with data.open("w") as f:
+        for i in range(16):
+            n = 100 + 37 * i  # many lengths: padded to several multiples of 256
+            ids = [(i * 5 + j) % 290 for j in range(n)]
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 8 + [1] * (n - 8)}) + "\n")
+    out = tmp_path / "run"
+    settings = [
+        f"model.target={qwen3_target}",
+        "model.mask_token_id=300",
+        "model.num_layers=1",
+        "model.block_size=4",
+        f"data.train=[{data}]",
+        f"data.eval=[{data}]",
+        f"train.out_dir={out}",
+        "train.max_steps=12",
+        "train.eval_every=6",
+        "train.num_anchors=32",
+        "train.batch_size=2",
+        "train.compile_target=true",
+        "train.real_eval_prompts=4",
+        "train.resume=never",
+    ]
+    train(load_config(None, settings))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "eval" and "real_tau" in r] == [6, 12]
+    graphs = torch._dynamo.eval_frame._debug_get_cache_entry_list(_run_decoder_layer)
+    # one graph; a second only if some batch had one row (dynamic=True still specialises a size of 1)
+    assert 1 <= len(graphs) <= 2, len(graphs)
+
+
 @pytest.mark.parametrize("master_weights", [True, False])
 def test_gpu_training_learns_like_the_exact_cpu_path(tmp_path, qwen3_target, master_weights):
     """The whole GPU path (bf16, compiled layers, flex BlockMask, compiled fused loss and, with master weights,

@@ -211,6 +211,6 @@ def test_hybrid_sampled_speculative_decoding_follows_the_target_distribution():
 
 
 def test_targets_whose_cache_cannot_be_rolled_back_are_refused_with_the_reason(hybrid, monkeypatch):
-    monkeypatch.setattr(target_module, "_CACHE_PARAMETERS", ("no_such_parameter",))
+    monkeypatch.setattr(target_module, "CACHE_PARAMETERS", ("no_such_parameter",))
     with pytest.raises(FlashdraftError, match=r"layer 0 keeps a recurrent .* cannot tell which"):
         generate(hybrid, _drafter(hybrid), torch.tensor([[1, 2, 3]]), 4)
