@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from flashdraft.bench.provenance import provenance
-from flashdraft.bench.shapes import TARGETS, build_random_target
+from flashdraft.bench.provenance import provenance, write_result
+from flashdraft.bench.shapes import add_target_shape_arguments, build_random_target
 from flashdraft.config import Sampling, load_config
-from flashdraft.durable import atomic_write_json, atomic_write_text
+from flashdraft.durable import atomic_write_text
 from flashdraft.generate.engines import HFGenerateEngine
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.model.target import default_dtype
@@ -66,7 +66,8 @@ def zero_residual_branches(model: torch.nn.Module) -> None:
             layer.mlp.down_proj.weight.zero_()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """`flashdraft bench eval`'s arguments."""
     parser = argparse.ArgumentParser(prog="flashdraft bench eval")
     parser.add_argument(
         "--work", default="/tmp/flashdraft-bench-eval", help="scratch directory (the target is written here)"
@@ -85,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-vocab", type=int, default=256, help="prompts use token ids below this")
     parser.add_argument("--lr", type=float, default=6e-4, help="drafter learning rate")
     parser.add_argument("--tiny", action="store_true", help="a tiny target on the CPU (tests)")
-    parser.add_argument(
-        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="target shape (random weights)"
-    )
-    parser.add_argument(
-        "--target-layers", type=int, default=None, help="fewer target layers (stated in the result)"
-    )
+    add_target_shape_arguments(parser)
     parser.add_argument(
         "--engine",
         choices=["eager", "fast"],
@@ -101,15 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-size", type=int, default=1, help="eval rows decoding together (--engine fast)"
     )
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    device = "cpu" if args.tiny else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("flashdraft bench eval: needs a CUDA GPU (or --tiny)")
-        return 2
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    timings = {}
-    started = time.perf_counter()
+    return parser
+
+
+def _random_target(args: argparse.Namespace, device: str) -> torch.nn.Module:
+    """The random target, tiny or of --target's shape, seeded; its residual branches zeroed for the
+    `repeat` workload (whose head is tied to the embedding)."""
     tie = {"tie_word_embeddings": args.workload == "repeat"}
     torch.manual_seed(0)
     if args.tiny:
@@ -124,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             args.target, device=device, dtype=default_dtype(device), num_layers=args.target_layers, **tie
         )
     model.eval()
-    vocab = model.config.vocab_size
-    mask_id = vocab - 1
     if args.workload == "repeat":
         zero_residual_branches(model)
+    return model
 
-    # 1. the target's own greedy answers to random prompts: training data and held-out prompts
+
+def _write_target_answers(model: torch.nn.Module, args: argparse.Namespace, work: Path, mask_id: int) -> int:
+    """The target's own greedy answers to random prompts: --samples of them as the training data
+    (`work/train.jsonl`), the other --prompts prompts held out (`work/prompts.jsonl`). Returns how many
+    answers were generated."""
     g = torch.Generator().manual_seed(1)
     n = args.samples + args.prompts
     prompts = [
@@ -151,14 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_text(
         work / "prompts.jsonl", "".join(json.dumps({"input_ids": p}) + "\n" for p in prompts[args.samples :])
     )
-    model.save_pretrained(work / "target")
-    model_shape = {"kind": "tiny" if args.tiny else args.target, **model.config.to_diff_dict()}
-    del model
-    timings["data_s"] = round(time.perf_counter() - started, 1)
-    print(f"data: {len(prompts)} target answers in {timings['data_s']} s", flush=True)
+    return len(prompts)
 
-    # 2. a drafter trained on them
-    started = time.perf_counter()
+
+def _train_drafter(args: argparse.Namespace, work: Path, mask_id: int, device: str) -> Path:
+    """A drafter trained on the target's answers by `flashdraft train` in a fresh `work/run`; returns its
+    last checkpoint's drafter directory."""
     run = work / "run"
     shutil.rmtree(run, ignore_errors=True)  # a fresh run: never mix with an earlier one
     overrides = [
@@ -185,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         # padded anchors would still cost drafter compute
         overrides += [f"train.num_anchors={max(1, args.new_tokens - 16)}", "train.batch_size=16"]
     train(load_config(None, overrides))
-    drafter = run / "checkpoints" / f"step-{args.steps:08d}" / "drafter"
-    timings["train_s"] = round(time.perf_counter() - started, 1)
-    print(f"training: {timings['train_s']} s", flush=True)
+    return run / "checkpoints" / f"step-{args.steps:08d}" / "drafter"
 
-    # 3. real speculative decoding against plain decoding of the same target
-    started = time.perf_counter()
-    report = run_eval(
+
+def _evaluate(args: argparse.Namespace, work: Path, drafter: Path, device: str) -> dict:
+    """`flashdraft eval` of the drafter on the held-out prompts, lossless check on; its report and plot in
+    `work`."""
+    return run_eval(
         str(work / "target"),
         str(drafter),
         str(work / "prompts.jsonl"),
@@ -205,6 +199,38 @@ def main(argv: list[str] | None = None) -> int:
         out=str(work / "eval.json"),
         plot_path=str(work / "eval.png"),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("flashdraft bench eval: needs a CUDA GPU (or --tiny)")
+        return 2
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    started = time.perf_counter()
+    model = _random_target(args, device)
+    mask_id = model.config.vocab_size - 1
+
+    # 1. the target's own greedy answers to random prompts: training data and held-out prompts
+    answered = _write_target_answers(model, args, work, mask_id)
+    model.save_pretrained(work / "target")
+    model_shape = {"kind": "tiny" if args.tiny else args.target, **model.config.to_diff_dict()}
+    del model
+    timings["data_s"] = round(time.perf_counter() - started, 1)
+    print(f"data: {answered} target answers in {timings['data_s']} s", flush=True)
+
+    # 2. a drafter trained on them
+    started = time.perf_counter()
+    drafter = _train_drafter(args, work, mask_id, device)
+    timings["train_s"] = round(time.perf_counter() - started, 1)
+    print(f"training: {timings['train_s']} s", flush=True)
+
+    # 3. real speculative decoding against plain decoding of the same target
+    started = time.perf_counter()
+    report = _evaluate(args, work, drafter, device)
     timings["eval_s"] = round(time.perf_counter() - started, 1)
     report.update(
         {
@@ -216,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "timings": timings,
         }
     )
-    if args.out:
-        atomic_write_json(args.out, report, indent=2)
+    write_result(args.out, report)
     print(
         json.dumps(
             {k: report[k] for k in ("tau", "tau_pooled", "speedup", "tokens_per_s", "baseline_tokens_per_s")}

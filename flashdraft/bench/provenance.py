@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import transformers
 
+from flashdraft.durable import atomic_write_json
 from flashdraft.provenance import git_commit, python_bytecode
 
 
@@ -28,3 +29,9 @@ def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "python_bytecode": python_bytecode(),  # start-up times depend on it (docs/shards.md)
     }
+
+
+def write_result(out: str | Path | None, result: dict[str, Any]) -> None:
+    """A benchmark's result JSON at `out` (indented, replaced atomically); nothing when `out` is None."""
+    if out:
+        atomic_write_json(out, result, indent=2)

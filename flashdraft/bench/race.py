@@ -23,9 +23,10 @@ import copy
 import importlib.util
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +35,9 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import WEIGHTS_NAME, read_config, save_drafter
 from flashdraft.model.spec import default_gamma
+
+if TYPE_CHECKING:
+    from flashdraft.model.target import TargetModel
 
 SPECFORGE_INSTALL = "pip install --no-deps specforge==0.2.0 (its modules used here need no sglang)"
 # SpecForge's DFlash recipe (its Qwen3-8B example, docs/quality-benchmark.md), where the race leaves a
@@ -140,6 +144,206 @@ def _save_as_flashdraft(model, config, path: Path) -> Path:
     return save_drafter(ours, path, overwrite="drafter")
 
 
+@dataclass
+class _SpecForgeSide:
+    """SpecForge's side of the race once set up: its drafter module with the initial weights, the target
+    (features) and SpecForge's reading of its embedding and head, and the race's batches."""
+
+    drafter: torch.nn.Module
+    config: Any  # the drafter's config, as SpecForge's module reads it
+    target: TargetModel
+    parts: Any  # specforge's TargetEmbeddingsAndHead
+    device: torch.device
+    dtype: torch.dtype
+    attention: str
+    num_anchors: int
+    data: RaceBatches
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]  # training's order, one pass of `data`
+
+    @property
+    def block_size(self) -> int:
+        return int(self.config.block_size)
+
+    @property
+    def gamma(self) -> float:
+        return default_gamma(self.block_size)
+
+    def objective(self, model: torch.nn.Module):
+        """SpecForge's OnlineDFlashModel around `model`: its anchors, block mask and decayed loss."""
+        from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
+
+        return OnlineDFlashModel(
+            draft_model=model,
+            target_lm_head=self.parts.lm_head,
+            target_embed_tokens=self.parts.embed_tokens,
+            mask_token_id=int(dict(self.config.dflash_config)["mask_token_id"]),
+            block_size=self.block_size,
+            attention_backend=self.attention,
+            num_anchors=self.num_anchors,
+            loss_decay_gamma=self.gamma,
+            loss_type="dflash",
+        )
+
+    def step(self, wrapped, optimizer, source=None) -> tuple[float, float]:
+        """One training step on the next batch of `source` (default: training's batches): the race's
+        target features, SpecForge's loss, backward and optimizer step. Returns (loss, accuracy)."""
+        ids, mask = next(self.batches if source is None else source)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.no_grad():
+            features = self.target.features(ids)
+        loss, accuracy, _ = wrapped(input_ids=ids, hidden_states=features, loss_mask=mask)
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach()), float(accuracy.detach())
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _set_up(
+    target_dir: str,
+    init_dir: Path,
+    train_shards: Path,
+    *,
+    num_anchors: int,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    device: str,
+) -> _SpecForgeSide:
+    """SpecForge's drafter with the initial weights, the target, SpecForge's own reading of the target's
+    embedding and head, and the race's batches: bf16 and flex attention on a GPU, fp32 and SDPA on the CPU."""
+    from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
+
+    from flashdraft.devices import resolve_device
+    from flashdraft.model.target import TargetModel, default_dtype
+
+    torch.manual_seed(seed)
+    run_device = torch.device(resolve_device(device))
+    dtype = default_dtype(run_device)  # bf16 on a GPU (SpecForge's default), fp32 on the CPU
+    attention = "flex_attention" if run_device.type == "cuda" else "sdpa"
+    drafter, config = _specforge_drafter(init_dir, run_device, dtype, attention)
+    layer_ids = dict(config.dflash_config)["target_layer_ids"]
+    target = TargetModel.load(target_dir, layer_ids, device=run_device, dtype=dtype)
+    parts = TargetEmbeddingsAndHead.from_pretrained(
+        str(target_dir), device=run_device.type, dtype=dtype
+    )  # SpecForge's own reading of the target's embedding and head
+    parts.requires_grad_(False)
+    data = RaceBatches.load(train_shards, batch_size, max_length, seed)
+    return _SpecForgeSide(
+        drafter, config, target, parts, run_device, dtype, attention, num_anchors, data, iter(data)
+    )
+
+
+def _probe_step_seconds(side: _SpecForgeSide, lr: float) -> float:
+    """A few steps on a copy, untimed (flex attention compiles here), whose time sizes the schedule:
+    SpecForge's cosine needs its total step count up front, flashdraft's runs over the same budget."""
+    from specforge.optimizer import BF16Optimizer
+
+    probe_model = copy.deepcopy(side.drafter)
+    probe = BF16Optimizer(probe_model, lr=lr, max_grad_norm=MAX_GRAD_NORM, total_steps=100)
+    probe_wrapped = side.objective(probe_model)
+    data = side.data
+    probe_batches = iter(
+        RaceBatches(data.samples, data.batch_size, data.max_length, data.seed + 1)
+    )  # training's order intact
+    side.step(probe_wrapped, probe, probe_batches)
+    side.synchronize()
+    started = time.perf_counter()
+    for _ in range(PROBE_STEPS - 1):
+        side.step(probe_wrapped, probe, probe_batches)
+    side.synchronize()
+    return (time.perf_counter() - started) / (PROBE_STEPS - 1)
+
+
+@dataclass
+class _Progress:
+    """The timed run so far."""
+
+    total_steps: int  # the cosine schedule's length, re-sized as steps are timed
+    spent: float = 0.0  # seconds of step time
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    accuracies: list[float] = field(default_factory=list)
+    checkpoints: list[tuple[int, float, Path]] = field(default_factory=list)
+    resizes: list[int] = field(default_factory=list)
+
+
+def _train_for_budget(
+    side: _SpecForgeSide,
+    optimizer,
+    progress: _Progress,
+    minutes: float,
+    curve_points: int,
+    out_dir: Path,
+    log,
+) -> None:
+    """Timed steps until `minutes` of step time are spent: the schedule re-sized to the budget at every
+    tenth of it, a flashdraft drafter directory at every curve point and at the end."""
+    wrapped = side.objective(side.drafter)
+    budget, every = minutes * 60, minutes * 60 / curve_points
+    while progress.spent < budget:
+        side.synchronize()
+        started = time.perf_counter()
+        loss, accuracy = side.step(wrapped, optimizer)
+        side.synchronize()
+        progress.spent += time.perf_counter() - started
+        progress.steps += 1
+        progress.losses.append(loss)
+        progress.accuracies.append(accuracy)
+        spent, steps = progress.spent, progress.steps
+        if spent < budget and spent >= budget * (len(progress.resizes) + 1) / RESIZES:
+            # the probe's step time was a guess: at every tenth of the budget the cosine is re-sized to
+            # end with it, from the mean step time so far (flashdraft's schedule runs over the budget)
+            progress.total_steps = steps + max(1, math.ceil((budget - spent) / (spent / steps)))
+            optimizer.scheduler = _resized_schedule(optimizer.optimizer, progress.total_steps, steps)
+            progress.resizes.append(progress.total_steps)
+        if spent >= every * (len(progress.checkpoints) + 1) or spent >= budget:
+            path = out_dir / "checkpoints" / f"step-{steps:08d}" / "drafter"
+            _save_as_flashdraft(side.drafter, side.config, path)
+            progress.checkpoints.append((steps, round(spent / 60, 4), path))
+            log(
+                f"specforge: step {steps}, {spent / 60:.2f} min, loss {loss:.3f}, acc {accuracy:.3f} -> {path}"
+            )
+
+
+def _summary(side: _SpecForgeSide, progress: _Progress, step_s: float, lr: float) -> dict[str, Any]:
+    """SpecForge's side's training summary (summary.json and the race's `training` record)."""
+    return {
+        "trainer": "specforge",
+        "specforge_version": _version("specforge"),
+        "steps": progress.steps,
+        "train_minutes": round(progress.spent / 60, 4),
+        "budget_spent": True,
+        "scheduled_steps": progress.total_steps,
+        "schedule_resized_to": progress.resizes,
+        "probe_step_s": round(step_s, 4),
+        "first_loss": progress.losses[0],
+        "last_loss": progress.losses[-1],
+        "last_accuracy": progress.accuracies[-1],
+        "settings": {
+            "lr": lr,
+            "num_anchors": side.num_anchors,
+            "batch_size": side.data.batch_size,
+            "max_length": side.data.max_length,
+            "loss_decay_gamma": side.gamma,
+            "warmup_ratio": WARMUP_RATIO,
+            "max_grad_norm": MAX_GRAD_NORM,
+            "lr_scheduler": "cosine",
+            "attention_backend": side.attention,
+            "dtype": str(side.dtype).removeprefix("torch."),
+            "calls": [
+                "specforge.modeling.draft.dflash.DFlashDraftModel",
+                "specforge.algorithms.common.dflash_family_model.OnlineDFlashModel",
+                "specforge.modeling.target.target_utils.TargetEmbeddingsAndHead",
+                "specforge.optimizer.BF16Optimizer",
+                "specforge.lr_scheduler.CosineAnnealingWarmupLR",
+            ],
+        },
+    }
+
+
 def train_specforge(
     *,
     target_dir: str,
@@ -162,146 +366,37 @@ def train_specforge(
     why = specforge_missing()
     if why:
         raise FlashdraftError(f"--against specforge: {why}")
-    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
-    from specforge.modeling.target.target_utils import TargetEmbeddingsAndHead
     from specforge.optimizer import BF16Optimizer
 
-    from flashdraft.devices import resolve_device
-    from flashdraft.model.target import TargetModel, default_dtype
-
-    torch.manual_seed(seed)
-    run_device = torch.device(resolve_device(device))
-    dtype = default_dtype(run_device)  # bf16 on a GPU (SpecForge's default), fp32 on the CPU
-    attention = "flex_attention" if run_device.type == "cuda" else "sdpa"
-    drafter, config = _specforge_drafter(init_dir, run_device, dtype, attention)
-    dflash = dict(config.dflash_config)
-    block_size = int(config.block_size)
-    gamma = default_gamma(block_size)
-    target = TargetModel.load(target_dir, dflash["target_layer_ids"], device=run_device, dtype=dtype)
-    parts = TargetEmbeddingsAndHead.from_pretrained(
-        str(target_dir), device=run_device.type, dtype=dtype
-    )  # SpecForge's own reading of the target's embedding and head
-    parts.requires_grad_(False)
-
-    def objective(model):
-        return OnlineDFlashModel(
-            draft_model=model,
-            target_lm_head=parts.lm_head,
-            target_embed_tokens=parts.embed_tokens,
-            mask_token_id=int(dflash["mask_token_id"]),
-            block_size=block_size,
-            attention_backend=attention,
-            num_anchors=num_anchors,
-            loss_decay_gamma=gamma,
-            loss_type="dflash",
-        )
-
-    data = RaceBatches.load(train_shards, batch_size, max_length, seed)
-    batches = iter(data)
-
-    def step(wrapped, optimizer, source=batches) -> tuple[float, float]:
-        ids, mask = next(source)
-        ids, mask = ids.to(run_device), mask.to(run_device)
-        with torch.no_grad():
-            features = target.features(ids)
-        loss, accuracy, _ = wrapped(input_ids=ids, hidden_states=features, loss_mask=mask)
-        loss.backward()
-        optimizer.step()
-        return float(loss.detach()), float(accuracy.detach())
-
-    def synchronize() -> None:
-        if run_device.type == "cuda":
-            torch.cuda.synchronize(run_device)
-
-    # Probe: a few steps on a copy, untimed (flex attention compiles here), whose time sizes the schedule:
-    # SpecForge's cosine needs its total step count up front, flashdraft's runs over the same budget.
-    probe_model = copy.deepcopy(drafter)
-    probe = BF16Optimizer(probe_model, lr=lr, max_grad_norm=MAX_GRAD_NORM, total_steps=100)
-    probe_wrapped = objective(probe_model)
-    probe_batches = iter(
-        RaceBatches(data.samples, batch_size, max_length, seed + 1)
-    )  # training's order intact
-    step(probe_wrapped, probe, probe_batches)
-    synchronize()
-    started = time.perf_counter()
-    for _ in range(PROBE_STEPS - 1):
-        step(probe_wrapped, probe, probe_batches)
-    synchronize()
-    step_s = (time.perf_counter() - started) / (PROBE_STEPS - 1)
-    del probe, probe_model, probe_wrapped
-    total_steps = max(2, math.ceil(minutes * 60 / step_s))
+    side = _set_up(
+        target_dir,
+        init_dir,
+        train_shards,
+        num_anchors=num_anchors,
+        batch_size=batch_size,
+        max_length=max_length,
+        seed=seed,
+        device=device,
+    )
+    step_s = _probe_step_seconds(side, lr)
+    progress = _Progress(total_steps=max(2, math.ceil(minutes * 60 / step_s)))
     optimizer = BF16Optimizer(
-        drafter,
+        side.drafter,
         lr=lr,
         max_grad_norm=MAX_GRAD_NORM,
         warmup_ratio=WARMUP_RATIO,
-        total_steps=total_steps,
+        total_steps=progress.total_steps,
         lr_scheduler="cosine",
     )
-    wrapped = objective(drafter)
     log(
-        f"specforge: {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M drafter parameters on {run_device} "
-        f"({attention}, {dtype}); probe {step_s:.3f} s/step -> schedule over {total_steps} steps"
+        f"specforge: {sum(p.numel() for p in side.drafter.parameters()) / 1e6:.1f}M drafter parameters on "
+        f"{side.device} ({side.attention}, {side.dtype}); probe {step_s:.3f} s/step -> schedule over "
+        f"{progress.total_steps} steps"
     )
-    spent, steps, losses, accuracies, checkpoints = 0.0, 0, [], [], []
-    every = minutes * 60 / curve_points
-    resizes = []
-    while spent < minutes * 60:
-        synchronize()
-        started = time.perf_counter()
-        loss, accuracy = step(wrapped, optimizer)
-        synchronize()
-        spent += time.perf_counter() - started
-        steps += 1
-        losses.append(loss)
-        accuracies.append(accuracy)
-        if spent < minutes * 60 and spent >= minutes * 60 * (len(resizes) + 1) / RESIZES:
-            # the probe's step time was a guess: at every tenth of the budget the cosine is re-sized to
-            # end with it, from the mean step time so far (flashdraft's schedule runs over the budget)
-            total_steps = steps + max(1, math.ceil((minutes * 60 - spent) / (spent / steps)))
-            optimizer.scheduler = _resized_schedule(optimizer.optimizer, total_steps, steps)
-            resizes.append(total_steps)
-        if spent >= every * (len(checkpoints) + 1) or spent >= minutes * 60:
-            path = out_dir / "checkpoints" / f"step-{steps:08d}" / "drafter"
-            _save_as_flashdraft(drafter, config, path)
-            checkpoints.append((steps, round(spent / 60, 4), path))
-            log(
-                f"specforge: step {steps}, {spent / 60:.2f} min, loss {loss:.3f}, acc {accuracy:.3f} -> {path}"
-            )
-    summary = {
-        "trainer": "specforge",
-        "specforge_version": _version("specforge"),
-        "steps": steps,
-        "train_minutes": round(spent / 60, 4),
-        "budget_spent": True,
-        "scheduled_steps": total_steps,
-        "schedule_resized_to": resizes,
-        "probe_step_s": round(step_s, 4),
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
-        "last_accuracy": accuracies[-1],
-        "settings": {
-            "lr": lr,
-            "num_anchors": num_anchors,
-            "batch_size": batch_size,
-            "max_length": max_length,
-            "loss_decay_gamma": gamma,
-            "warmup_ratio": WARMUP_RATIO,
-            "max_grad_norm": MAX_GRAD_NORM,
-            "lr_scheduler": "cosine",
-            "attention_backend": attention,
-            "dtype": str(dtype).removeprefix("torch."),
-            "calls": [
-                "specforge.modeling.draft.dflash.DFlashDraftModel",
-                "specforge.algorithms.common.dflash_family_model.OnlineDFlashModel",
-                "specforge.modeling.target.target_utils.TargetEmbeddingsAndHead",
-                "specforge.optimizer.BF16Optimizer",
-                "specforge.lr_scheduler.CosineAnnealingWarmupLR",
-            ],
-        },
-    }
+    _train_for_budget(side, optimizer, progress, minutes, curve_points, out_dir, log)
+    summary = _summary(side, progress, step_s, lr)
     atomic_write_json(out_dir / "summary.json", summary, indent=2)
-    return {"training": summary, "checkpoints": checkpoints}
+    return {"training": summary, "checkpoints": progress.checkpoints}
 
 
 def _version(package: str) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 from transformers import PretrainedConfig
 
@@ -38,6 +40,19 @@ QWEN3_6_27B = dict(
 )
 TARGETS = {"qwen3-8b": QWEN3_8B, "qwen3.6-27b": QWEN3_6_27B}
 MASK_TOKEN_IDS = {"qwen3-8b": 151669, "qwen3.6-27b": 248070}
+
+
+def add_target_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmarks' --target (whose shape the random target takes) and --target-layers."""
+    parser.add_argument(
+        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="target shape (random weights)"
+    )
+    parser.add_argument(
+        "--target-layers",
+        type=int,
+        default=None,
+        help="fewer target layers (default: the model's; stated in the result)",
+    )
 
 
 def linear_attention_kernels() -> dict[str, bool]:

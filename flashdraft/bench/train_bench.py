@@ -21,22 +21,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import os
 import re
+import shutil
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
-from flashdraft.bench.provenance import provenance
-from flashdraft.bench.shapes import MASK_TOKEN_IDS, TARGETS, build_random_target, linear_attention_kernels
+from flashdraft.bench.provenance import provenance, write_result
+from flashdraft.bench.shapes import (
+    MASK_TOKEN_IDS,
+    TARGETS,
+    add_target_shape_arguments,
+    build_random_target,
+    linear_attention_kernels,
+)
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.compile_workers import start_compile_workers
 from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS
 from flashdraft.distributed.parallelize import compile_target, parallelize
-from flashdraft.durable import atomic_directory, atomic_write_json, free_bytes
+from flashdraft.durable import atomic_directory, free_bytes
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import make_drafter_config
@@ -97,22 +110,41 @@ class Timer:
         return {k: statistics.median(s.elapsed_time(e) for s, e in v) for k, v in self.events.items()}
 
 
-def run_shape(
-    name: str,
+@dataclass
+class _DrafterStep:
+    """One shape's drafter training step, built as the trainer builds it."""
+
+    config: Any  # the drafter's config
+    drafter: DFlashDraftModel
+    placement: Any  # distributed/parallelize.py's Placement
+    objective: Objective
+    optimizer: Any
+
+
+@dataclass
+class _StepTimes:
+    """The timed steps after warm-up: each span's median (ms), the FLOPs of each step, the warm-up's
+    seconds and the graphs compiled after it."""
+
+    medians: dict[str, float]
+    flops: list[Any]
+    warmup_s: float
+    graphs_compiled_after_warmup: int
+
+
+def _build_drafter_step(
     target: TargetModel,
+    shape: dict,
     *,
     mask_token_id: int,
-    steps: int,
-    warmup: int,
     num_layers: int,
     compile: bool,
-    loss_chunk: int = 1024,
-    master_weights: bool = True,
-    precision: str = "bf16",
-    fp8_recipe: str = "tensorwise",
-) -> dict:
-    shape = SHAPES[name]
-    torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
+    loss_chunk: int,
+    master_weights: bool,
+    precision: str,
+    fp8_recipe: str,
+) -> _DrafterStep:
+    """A fresh drafter (block 16, on the target's layer ids) placed on the GPU, its objective and optimizer."""
     config = make_drafter_config(
         target.config,
         num_layers=num_layers,
@@ -145,7 +177,15 @@ def run_shape(
     optimizer = make_optimizer(
         list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
     )
-    batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
+    return _DrafterStep(config, drafter, placement, objective, optimizer)
+
+
+def _time_steps(
+    step: _DrafterStep, target: TargetModel, batches: list[TokenBatch], warmup: int, steps: int
+) -> _StepTimes:
+    """`warmup` untimed steps (compiles), then `steps` steps with the target's forward and the drafter's
+    step each timed by CUDA events, and the FLOPs each timed step needs."""
+    objective, optimizer = step.objective, step.optimizer
     timer = Timer()
     torch.cuda.reset_peak_memory_stats()
     compile_started = time.perf_counter()
@@ -169,29 +209,27 @@ def run_shape(
         if i >= warmup:
             flops.append(
                 step_flops(
-                    config,
-                    drafter.layer_kinds(),
+                    step.config,
+                    step.drafter.layer_kinds(),
                     cpu_blocks,
                     int(cpu_batch.lengths.sum()),
                     int((cpu_blocks.weights > 0).sum()),
                     target.vocab_size,
                 )
             )
-    times = timer.medians()
+    medians = timer.medians()
     compiles_after_warmup = counters["stats"]["unique_graphs"] - graphs_after_warmup
-    breakdown = profile_breakdown(objective, optimizer, batches[0].to(torch.device("cuda")))
-    f = flops[0]
+    return _StepTimes(medians, flops, compile_s, compiles_after_warmup)
+
+
+def _measurements(step: _DrafterStep, shape: dict, timed: _StepTimes, breakdown: dict) -> dict:
+    """The shape's numbers: step times, the drafter step's FLOPs and achieved TFLOP/s against the two
+    peaks, samples/s end to end, peak memory, warm-up and the time breakdown."""
+    times, f = timed.medians, timed.flops[0]
     tflops = f.total / (times["drafter_step_ms"] / 1e3) / 1e12
     samples_per_s = shape["batch"] / ((times["drafter_step_ms"] + times["target_ms"]) / 1e3)
     return {
-        "shape": name,
-        **shape,
-        "compiled": compile,
-        "precision": precision if precision == "bf16" else f"fp8-{fp8_recipe}",
-        "master_weights": master_weights,
-        "loss_chunk": loss_chunk,
-        "attention": placement.attention,
-        "drafter_params_M": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1),
+        "drafter_params_M": round(sum(p.numel() for p in step.drafter.parameters()) / 1e6, 1),
         "target_ms": round(times["target_ms"], 2),
         "drafter_step_ms": round(times["drafter_step_ms"], 2),
         "drafter_tflop_per_step": round(f.total / 1e12, 2),
@@ -205,9 +243,52 @@ def run_shape(
         "mfu_vs_measured_789": round(tflops / MEASURED_CEILING_TFLOPS, 3),
         "samples_per_s_end_to_end": round(samples_per_s, 2),
         "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 1),
-        "warmup_s": round(compile_s, 1),
-        "graphs_compiled_after_warmup": compiles_after_warmup,
+        "warmup_s": round(timed.warmup_s, 1),
+        "graphs_compiled_after_warmup": timed.graphs_compiled_after_warmup,
         "breakdown_ms": breakdown,
+    }
+
+
+def run_shape(
+    name: str,
+    target: TargetModel,
+    *,
+    mask_token_id: int,
+    steps: int,
+    warmup: int,
+    num_layers: int,
+    compile: bool,
+    loss_chunk: int = 1024,
+    master_weights: bool = True,
+    precision: str = "bf16",
+    fp8_recipe: str = "tensorwise",
+) -> dict:
+    """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled."""
+    shape = SHAPES[name]
+    torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
+    step = _build_drafter_step(
+        target,
+        shape,
+        mask_token_id=mask_token_id,
+        num_layers=num_layers,
+        compile=compile,
+        loss_chunk=loss_chunk,
+        master_weights=master_weights,
+        precision=precision,
+        fp8_recipe=fp8_recipe,
+    )
+    batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
+    timed = _time_steps(step, target, batches, warmup, steps)
+    breakdown = profile_breakdown(step.objective, step.optimizer, batches[0].to(torch.device("cuda")))
+    return {
+        "shape": name,
+        **shape,
+        "compiled": compile,
+        "precision": precision if precision == "bf16" else f"fp8-{fp8_recipe}",
+        "master_weights": master_weights,
+        "loss_chunk": loss_chunk,
+        "attention": step.placement.attention,
+        **_measurements(step, shape, timed, breakdown),
     }
 
 
@@ -314,24 +395,19 @@ def time_target(target: TargetModel, shape_names: list[str], compile_target_laye
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv and any(a.startswith("--nproc-per-node") for a in argv):  # several GPUs: the real trainer
-        return torchrun_bench(argv)
-    if argv and "--data" in argv:  # real shards, packing on and off (docs/packing.md)
-        from flashdraft.bench.packing_bench import main as bench_data_steps
-
-        return bench_data_steps(argv)
-    parser = argparse.ArgumentParser(prog="flashdraft bench train")
-    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="a, b (default both)")
-    parser.add_argument("--steps", type=int, default=10)
+def _add_run_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step counts, the drafter's depth and the target's shape: one group for both kinds of bench run."""
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--drafter-layers", type=int, default=5)
-    parser.add_argument(
-        "--target", choices=sorted(TARGETS), default="qwen3-8b", help="target shape (random weights)"
-    )
-    parser.add_argument(
-        "--target-layers", type=int, default=None, help="fewer target layers (default: the model's)"
-    )
+    add_target_shape_arguments(parser)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`flashdraft bench train`'s arguments (one GPU)."""
+    parser = argparse.ArgumentParser(prog="flashdraft bench train")
+    parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="a, b (default both)")
+    _add_run_shape_arguments(parser)
     parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
     parser.add_argument(
@@ -357,19 +433,69 @@ def main(argv: list[str] | None = None) -> int:
         help="also time the target with its decoder layers compiled, and keep them so (train.compile_target)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("flashdraft bench train: needs a CUDA GPU")
-        return 2
-    if not args.no_compile:
-        start_compile_workers()  # as the trainer does: kernels build in parallel from the first compile
-    variants = [
+    return parser
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The drafter precisions to run, as (precision, fp8 recipe), each once, in the order given."""
+    return [
         (precision, recipe)
         for precision in dict.fromkeys(args.precision or ["bf16"])
         for recipe in (
             dict.fromkeys(args.fp8_recipe or ["tensorwise"]) if precision == "fp8" else ["tensorwise"]
         )
     ]
+
+
+def _against_bf16(result: dict, results: list[dict]) -> None:
+    """`vs_bf16`: the result's step time, throughput and memory against the bf16 drafter of the same
+    shape measured in this process (when there is one)."""
+    base = next((b for b in results if b["shape"] == result["shape"] and b["precision"] == "bf16"), None)
+    if base is not None:
+        result["vs_bf16"] = {
+            key: round(result[key] / base[key], 3)
+            for key in ("drafter_step_ms", "samples_per_s_end_to_end", "peak_memory_GiB")
+        }
+
+
+def _print_header() -> None:
+    print(
+        f"{'shape':5} {'precision':>15} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} "
+        f"{'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}",
+        flush=True,
+    )
+
+
+def _print_result(r: dict) -> None:
+    """One variant's row under the header, and its breakdown line."""
+    print(
+        f"{r['shape']:5} {r['precision']:>15} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
+        f"{r['drafter_tflop_per_step']:10.2f} {r['drafter_tflops_achieved']:8.1f} "
+        f"{r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
+        f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}",
+        flush=True,
+    )
+    print(
+        f"      breakdown: {r['breakdown_ms']} | warmup {r['warmup_s']} s | graphs after warm-up "
+        f"{r['graphs_compiled_after_warmup']} | vs bf16 {r.get('vs_bf16')}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv and any(a.startswith("--nproc-per-node") for a in argv):  # several GPUs: the real trainer
+        return torchrun_bench(argv)
+    if argv and "--data" in argv:  # real shards, packing on and off (docs/packing.md)
+        from flashdraft.bench.packing_bench import main as bench_data_steps
+
+        return bench_data_steps(argv)
+    args = _parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("flashdraft bench train: needs a CUDA GPU")
+        return 2
+    if not args.no_compile:
+        start_compile_workers()  # as the trainer does: kernels build in parallel from the first compile
+    variants = _variants(args)
     shape_names = args.shape or ["a", "b"]
     target = build_target(args.target, args.target_layers)
     report = {
@@ -384,11 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     print("target forward:", report["target_forward"], flush=True)
-    print(
-        f"{'shape':5} {'precision':>15} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} "
-        f"{'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}",
-        flush=True,
-    )
+    _print_header()
     results = report["results"]
     for name in shape_names:
         for precision, recipe in variants:
@@ -406,28 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_recipe=recipe,
             )
             torch.cuda.empty_cache()
-            # against the bf16 drafter of the same shape, measured in this process
-            base = next((b for b in results if b["shape"] == name and b["precision"] == "bf16"), None)
-            if base is not None:
-                r["vs_bf16"] = {
-                    key: round(r[key] / base[key], 3)
-                    for key in ("drafter_step_ms", "samples_per_s_end_to_end", "peak_memory_GiB")
-                }
+            _against_bf16(r, results)
             results.append(r)
-            print(
-                f"{r['shape']:5} {r['precision']:>15} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
-                f"{r['drafter_tflop_per_step']:10.2f} {r['drafter_tflops_achieved']:8.1f} "
-                f"{r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
-                f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}",
-                flush=True,
-            )
-            print(
-                f"      breakdown: {r['breakdown_ms']} | warmup {r['warmup_s']} s | graphs after warm-up "
-                f"{r['graphs_compiled_after_warmup']} | vs bf16 {r.get('vs_bf16')}",
-                flush=True,
-            )
-            if args.out:  # after each variant: a run cut short by a time limit keeps what it measured
-                atomic_write_json(args.out, report, indent=2)
+            _print_result(r)
+            # after each variant: a run cut short by a time limit keeps what it measured
+            write_result(args.out, report)
     return 0
 
 
@@ -457,16 +562,8 @@ def save_random_target(out, kind: str, num_layers: int | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def torchrun_bench(argv: list[str]) -> int:
-    """`flashdraft bench train --nproc-per-node N [--mode colocated|split] ...`: the real trainer under torchrun
-    (docs/distributed.md) on a random target of a real model's shape saved once to --workdir and random
-    token data of the chosen shape; reports samples/s per GPU and, for a split topology, each side's
-    busy and waiting shares (the trainer's balance report)."""
-    import itertools
-    import os
-    import subprocess
-    import sys
-
+def _torchrun_parser() -> argparse.ArgumentParser:
+    """`flashdraft bench train --nproc-per-node N`'s arguments."""
     parser = argparse.ArgumentParser(prog="flashdraft bench train --nproc-per-node N")
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--mode", choices=["colocated", "split"], default="colocated")
@@ -480,11 +577,7 @@ def torchrun_bench(argv: list[str]) -> int:
         help="colocated: ranks that hold one target sharded by tensor parallelism (distributed.target_parallel)",
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="a")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--drafter-layers", type=int, default=5)
-    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-8b")
-    parser.add_argument("--target-layers", type=int, default=None)
+    _add_run_shape_arguments(parser)
     parser.add_argument("--workdir", default="bench-train-work", help="the saved random target and the runs")
     parser.add_argument(
         "--target-dir", default=None, help="a local target instead of a random one of --target's shape"
@@ -500,7 +593,11 @@ def torchrun_bench(argv: list[str]) -> int:
         "one, and the background write's own seconds and bytes (docs/distributed.md)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check_torchrun_args(args: argparse.Namespace) -> None:
+    """What the parser cannot check: --checkpoint-every and --target-parallel against the topology."""
     if args.checkpoint_every < 0:
         raise FlashdraftError(f"--checkpoint-every must be 0 (off) or more, got {args.checkpoint_every}")
     if args.target_parallel < 1 or args.nproc_per_node % args.target_parallel:
@@ -511,32 +608,40 @@ def torchrun_bench(argv: list[str]) -> int:
         raise FlashdraftError(
             "--target-parallel above 1 needs --mode colocated (split + tensor parallel: not yet)"
         )
-    shape = SHAPES[args.shape]
-    work = Path(args.workdir)
+
+
+def _bench_target(args: argparse.Namespace, work: Path) -> tuple[Path, int]:
+    """The target directory the run trains on and its vocabulary size: --target-dir, or a random target of
+    --target's shape saved once under `work`."""
     if args.target_dir is not None:
         target_dir = Path(args.target_dir)
-        vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
-    else:
-        target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
-        if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
-            save_random_target(target_dir, args.target, args.target_layers)
-        vocab = TARGETS[args.target]["vocab_size"]
-    mask_token_id = args.mask_token_id if args.mask_token_id is not None else MASK_TOKEN_IDS[args.target]
-    trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
-    steps = args.steps + args.warmup
-    work.mkdir(parents=True, exist_ok=True)
-    data = work / f"data-{args.shape}.jsonl"
+        return target_dir, json.loads((target_dir / "config.json").read_text())["vocab_size"]
+    target_dir = work / f"target-{args.target}-{args.target_layers or 'all'}"
+    if not (target_dir / "config.json").is_file():  # built once: a random target of the real shape
+        save_random_target(target_dir, args.target, args.target_layers)
+    return target_dir, TARGETS[args.target]["vocab_size"]
+
+
+def _write_random_samples(path: Path, shape: dict, count: int, vocab: int) -> None:
+    """`count` random token samples of the shape's length, a short prompt each, as a JSONL data file."""
     g = torch.Generator().manual_seed(0)
-    with data.open("w") as f:  # exactly the samples the run draws: one epoch
-        for _ in range(steps * shape["batch"] * trainers):
+    with path.open("w") as f:
+        for _ in range(count):
             ids = torch.randint(0, max(vocab - 300, vocab // 2), (shape["seq"],), generator=g).tolist()
             prompt = min(64, shape["seq"] // 4)
             f.write(
                 json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (shape["seq"] - prompt)})
                 + "\n"
             )
-    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
-    overrides = {
+
+
+def _trainer_overrides(
+    args: argparse.Namespace, target_dir: Path, data: Path, run: Path, steps: int
+) -> dict[str, object]:
+    """The `flashdraft train` config overrides of the benchmarked run."""
+    shape = SHAPES[args.shape]
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else MASK_TOKEN_IDS[args.target]
+    return {
         "model.target": target_dir,
         "model.num_layers": args.drafter_layers,
         "model.block_size": 16,
@@ -557,46 +662,45 @@ def torchrun_bench(argv: list[str]) -> int:
         "distributed.bucket_mb": args.bucket_mb,
         "distributed.target_parallel": args.target_parallel,
     }
-    if run.exists():
-        import shutil
 
-        shutil.rmtree(run)
+
+def _start_trainer(nproc_per_node: int, overrides: dict[str, object]) -> subprocess.Popen:
+    """`flashdraft train` under torchrun (standalone), its command printed, its output piped."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nproc-per-node={nproc_per_node}",
     ]
     cmd += ["-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     print(" ".join(map(str, cmd)), flush=True)
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    output = echo_lines(proc)  # the run's lines, shown as they come and kept for the checkpoint report
-    # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
-    # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
-    rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
-    if rows is None:
-        print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
-        return code or 1
-    intervals = {
-        b["step"]: b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup
-    }
-    checkpoint = None
-    if args.checkpoint_every:
-        # a save follows its step's metrics row, so it lands in the interval up to the next row
-        saving = {s + 1 for s in range(args.checkpoint_every, steps, args.checkpoint_every)}
-        intervals, saving_intervals = (
-            {s: v for s, v in intervals.items() if s not in saving},
-            [v for s, v in intervals.items() if s in saving],
-        )
-        code = proc.wait()  # every background write's own line, the last one's too
-        checkpoint = checkpoint_report(output.lines(), intervals, saving_intervals, args.checkpoint_every)
-    seconds = list(intervals.values())
-    step_s = statistics.median(seconds)
+
+
+def _checkpoint_intervals(
+    intervals: dict[int, float], every: int, steps: int
+) -> tuple[dict[int, float], list[float]]:
+    """The measured step intervals split into plain ones (by step) and those that hold a save: a save
+    follows its step's metrics row, so it lands in the interval up to the next row."""
+    saving = {s + 1 for s in range(every, steps, every)}
+    return (
+        {s: v for s, v in intervals.items() if s not in saving},
+        [v for s, v in intervals.items() if s in saving],
+    )
+
+
+def _torchrun_result(
+    argv: list[str], args: argparse.Namespace, rows: list[dict], intervals: dict[int, float], trainers: int
+) -> dict:
+    """The run's numbers: the median step's seconds, samples/s (per GPU too), the drafter's TFLOP/s and, for
+    a split topology, each side's waiting share and the balanced split the trainer reported."""
+    shape = SHAPES[args.shape]
+    step_s = statistics.median(list(intervals.values()))
     samples_per_s = shape["batch"] * trainers / step_s
-    result = {
+    return {
         **provenance("train", argv),
         "mode": args.mode,
         "gpus": args.nproc_per_node,
@@ -612,9 +716,12 @@ def torchrun_bench(argv: list[str]) -> int:
         "samples_per_s_per_gpu": round(samples_per_s / args.nproc_per_node, 3),
         "tflops_drafter_median": statistics.median(r["tflops"] for r in rows if r["step"] > args.warmup),
     }
-    if checkpoint is not None:
-        result["checkpoint"] = checkpoint
-    measured = [r for r in rows if r["step"] > args.warmup and "balance/target_waiting_share" in r]
+
+
+def _balance(result: dict, rows: list[dict], warmup: int) -> None:
+    """A split run's balance report, from its measured steps: each side's median waiting share and the
+    last balanced split (nothing for a colocated run)."""
+    measured = [r for r in rows if r["step"] > warmup and "balance/target_waiting_share" in r]
     if measured:
         for side in ("target", "drafter"):
             result[f"{side}_waiting_share"] = statistics.median(
@@ -622,9 +729,49 @@ def torchrun_bench(argv: list[str]) -> int:
             )
         splits = [r["balance/balanced_split"] for r in measured if r.get("balance/balanced_split")]
         result["balanced_split"] = splits[-1] if splits else None
+
+
+def torchrun_bench(argv: list[str]) -> int:
+    """`flashdraft bench train --nproc-per-node N [--mode colocated|split] ...`: the real trainer under torchrun
+    (docs/distributed.md) on a random target of a real model's shape saved once to --workdir and random
+    token data of the chosen shape; reports samples/s per GPU and, for a split topology, each side's
+    busy and waiting shares (the trainer's balance report)."""
+    args = _torchrun_parser().parse_args(argv)
+    _check_torchrun_args(args)
+    shape = SHAPES[args.shape]
+    work = Path(args.workdir)
+    target_dir, vocab = _bench_target(args, work)
+    trainers = args.nproc_per_node - (args.target_ranks if args.mode == "split" else 0)
+    steps = args.steps + args.warmup
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / f"data-{args.shape}.jsonl"
+    _write_random_samples(data, shape, steps * shape["batch"] * trainers, vocab)  # one epoch: what it draws
+    run = work / f"run-{args.mode}-{args.nproc_per_node}-{args.data_parallel}-tp{args.target_parallel}"
+    overrides = _trainer_overrides(args, target_dir, data, run, steps)
+    if run.exists():
+        shutil.rmtree(run)
+    proc = _start_trainer(args.nproc_per_node, overrides)
+    output = echo_lines(proc)  # the run's lines, shown as they come and kept for the checkpoint report
+    # The numbers are taken, and the result written, as soon as the last step's metrics are in: the run's
+    # final checkpoint (tens of GB for a big drafter's optimizer state) can outlast a caller's time limit.
+    rows, code = last_step_rows(proc, run / "metrics.jsonl", steps)
+    if rows is None:
+        print(f"flashdraft bench train: the run failed (exit {code}) before its last step")
+        return code or 1
+    intervals = {
+        b["step"]: b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] > args.warmup
+    }
+    checkpoint = None
+    if args.checkpoint_every:
+        intervals, saving_intervals = _checkpoint_intervals(intervals, args.checkpoint_every, steps)
+        code = proc.wait()  # every background write's own line, the last one's too
+        checkpoint = checkpoint_report(output.lines(), intervals, saving_intervals, args.checkpoint_every)
+    result = _torchrun_result(argv, args, rows, intervals, trainers)
+    if checkpoint is not None:
+        result["checkpoint"] = checkpoint
+    _balance(result, rows, args.warmup)
     print(json.dumps(result, indent=1))
-    if args.out:
-        atomic_write_json(args.out, result, indent=2)
+    write_result(args.out, result)
     code = proc.wait()
     if code != 0:
         print(f"flashdraft bench train: the run failed after its last step (exit {code}); the result stands")

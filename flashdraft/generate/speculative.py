@@ -129,6 +129,166 @@ def _sampled_accept(
     return int(accepted[0]), int(token[0])
 
 
+@dataclass(frozen=True)
+class _Sampler:
+    """How one generation chooses tokens: the settings and the generator every random draw comes from."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    draft_sampling: str
+    generator: torch.Generator | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def pick(self, logits: Tensor) -> int:
+        """The token after `logits` [V]: the argmax when greedy, else a draw from the filtered distribution."""
+        if self.greedy:
+            return int(logits.argmax(-1))
+        return int(sample(sampling_probs(logits, self.temperature, self.top_p, self.top_k), self.generator))
+
+
+@dataclass
+class _DecodeState:
+    """What the decode loop carries from step to step."""
+
+    output: Tensor  # prompt, committed tokens, then the mask id: [max_len + 1]
+    context: Tensor  # target features of committed tokens not yet in the draft cache
+    start: int  # index of the last committed token: the next block's anchor
+    stopped: bool
+
+
+def _draft_block(
+    drafter: DFlashDraftModel,
+    target: TargetModel,
+    draft_cache: DraftCache,
+    state: _DecodeState,
+    block_ids: Tensor,
+    sampler: _Sampler,
+    block: int,
+) -> Tensor | None:
+    """One draft forward over the block [anchor, MASK...]: writes the drafts into `block_ids[1:]` and returns
+    the proposal distribution q they were drawn from (None when greedy)."""
+    start, size, device = state.start, block_ids.shape[0], block_ids.device
+    ctx_start = draft_cache.length
+    masks = _single_block_masks(drafter, start, start, size, device)
+    hidden = drafter(
+        target.embed(block_ids[None]),
+        state.context,
+        torch.arange(ctx_start, start, device=device)[None],
+        torch.arange(start, start + size, device=device)[None],
+        masks,
+        cache=draft_cache,
+        block_len=size,
+    )
+    block_ids[1:], draft_probs = _propose(
+        drafter,
+        hidden[:, 1:],
+        block_ids[:1],
+        target,
+        sampler.temperature,
+        sampler.top_p,
+        sampler.top_k,
+        sampler.draft_sampling,
+        sampler.generator,
+        block,
+    )
+    return draft_probs
+
+
+def _accept(
+    drafter: DFlashDraftModel | None,
+    logits: Tensor,
+    block_ids: Tensor,
+    draft_probs: Tensor | None,
+    sampler: _Sampler,
+    block: int,
+) -> tuple[int, int]:
+    """How many drafts the target's verify `logits` [size, V] accept, and the bonus token after them."""
+    size = block_ids.shape[0]
+    if sampler.greedy:
+        return greedy_accept(block_ids[1:], logits)
+    if size == 1:
+        return 0, sampler.pick(logits[-1])
+    target_probs = sampling_probs(logits, sampler.temperature, sampler.top_p, sampler.top_k)
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: z-lab's draws
+        return rejection_accept(block_ids[1:], draft_probs, target_probs, sampler.generator)
+    return _sampled_accept(block_ids[1:], draft_probs, target_probs, block, sampler.generator)
+
+
+def _commit(
+    state: _DecodeState, block_ids: Tensor, accepted: int, bonus: int, max_len: int, stops: set[int]
+) -> int:
+    """Write the accepted drafts and the bonus after the anchor; how many tokens the step commits (cut at
+    the token limit and after a stop token, which ends the generation)."""
+    start, output = state.start, state.output
+    output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
+    output[start + accepted + 1] = bonus
+    produced = min(accepted + 1, max_len - start - 1)
+    new = output[start + 1 : start + produced + 1].tolist()
+    for i, token in enumerate(new):
+        if token in stops:
+            produced, state.stopped = i + 1, True
+            break
+    return produced
+
+
+def _decode_step(
+    target: TargetModel,
+    drafter: DFlashDraftModel | None,
+    cache: DecodingCache,
+    draft_cache: DraftCache,
+    state: _DecodeState,
+    sampler: _Sampler,
+    block: int,
+    max_len: int,
+    stops: set[int],
+) -> int:
+    """One speculative step from the anchor at `state.start`: draft, verify, accept, commit, roll the
+    target cache back to the committed tokens. Returns the tokens committed (accepted drafts + 1)."""
+    start = state.start
+    size = min(block, max_len - start)
+    block_ids = state.output[start : start + size].clone()
+    draft_probs = None
+    if size > 1:
+        draft_probs = _draft_block(drafter, target, draft_cache, state, block_ids, sampler, block)
+    logits, features = target.forward_cached(
+        block_ids[None], torch.arange(start, start + size, device=block_ids.device)[None], cache
+    )
+    accepted, bonus = _accept(drafter, logits[0], block_ids, draft_probs, sampler, block)
+    produced = _commit(state, block_ids, accepted, bonus, max_len, stops)
+    state.start += produced
+    cache.keep(produced)  # anchor + accepted drafts; the bonus token is the next verify's anchor
+    state.context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
+    return produced
+
+
+def _prefill(
+    target: TargetModel,
+    drafter: DFlashDraftModel | None,
+    cache: DecodingCache,
+    input_ids: Tensor,
+    max_len: int,
+    sampler: _Sampler,
+) -> tuple[_DecodeState, Generation]:
+    """The target's forward over the prompt: its cache, the first token, and the prompt's features as the
+    drafter's first context; timed as `prefill_seconds`."""
+    device, prompt_len = input_ids.device, input_ids.shape[1]
+    mask_id = drafter.mask_token_id if drafter is not None else 0
+    output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
+    output[:prompt_len] = input_ids[0]
+    started = _sync(device)
+    logits, features = target.forward_cached(
+        input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1
+    )
+    cache.keep(prompt_len)
+    output[prompt_len] = sampler.pick(logits[0, -1])
+    result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
+    return _DecodeState(output, features, start=prompt_len, stopped=False), result
+
+
 @torch.inference_mode()
 def generate(
     target: TargetModel,
@@ -152,92 +312,21 @@ def generate(
         block = 1 if drafter is None else (block_size or drafter.block_size)
         if drafter is not None:
             drafter.eval()
+        sampler = _Sampler(temperature, top_p, top_k, draft_sampling, generator)
         device = target.device
         input_ids = input_ids.to(device)
         prompt_len = input_ids.shape[1]
         max_len = prompt_len + max_new_tokens
         stops = set(stop_token_ids or [])
-        greedy = temperature == 0
-
-        def pick(logits: Tensor) -> int:
-            return (
-                int(logits.argmax(-1))
-                if greedy
-                else int(sample(sampling_probs(logits, temperature, top_p, top_k), generator))
-            )
-
-        mask_id = drafter.mask_token_id if drafter is not None else 0
-        output = torch.full((max_len + 1,), mask_id, dtype=torch.long, device=device)
-        output[:prompt_len] = input_ids[0]
+        state, result = _prefill(target, drafter, cache, input_ids, max_len, sampler)
         draft_cache = DraftCache()
-
         started = _sync(device)
-        logits, features = target.forward_cached(
-            input_ids, torch.arange(prompt_len, device=device)[None], cache, logits_to_keep=1
-        )
-        cache.keep(prompt_len)
-        output[prompt_len] = pick(logits[0, -1])
-        context = features  # target features of committed tokens not yet in the draft cache
-        result = Generation(prompt_len=prompt_len, tokens=[], prefill_seconds=_sync(device) - started)
-
-        started = _sync(device)
-        start = prompt_len  # index of the last committed token: the next block's anchor
-        stopped = int(output[start]) in stops
-        while start + 1 < max_len and not stopped:
-            size = min(block, max_len - start)
-            block_ids = output[start : start + size].clone()
-            draft_probs = None
-            if size > 1:
-                ctx_start = draft_cache.length
-                masks = _single_block_masks(drafter, start, start, size, device)
-                hidden = drafter(
-                    target.embed(block_ids[None]),
-                    context,
-                    torch.arange(ctx_start, start, device=device)[None],
-                    torch.arange(start, start + size, device=device)[None],
-                    masks,
-                    cache=draft_cache,
-                    block_len=size,
-                )
-                block_ids[1:], draft_probs = _propose(
-                    drafter,
-                    hidden[:, 1:],
-                    block_ids[:1],
-                    target,
-                    temperature,
-                    top_p,
-                    top_k,
-                    draft_sampling,
-                    generator,
-                    block,
-                )
-            logits, features = target.forward_cached(
-                block_ids[None], torch.arange(start, start + size, device=device)[None], cache
+        state.stopped = int(state.output[state.start]) in stops
+        while state.start + 1 < max_len and not state.stopped:
+            produced = _decode_step(
+                target, drafter, cache, draft_cache, state, sampler, block, max_len, stops
             )
-            if greedy:
-                accepted, bonus = greedy_accept(block_ids[1:], logits[0])
-            elif size > 1:
-                target_probs = sampling_probs(logits[0], temperature, top_p, top_k)
-                if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: z-lab's draws
-                    accepted, bonus = rejection_accept(block_ids[1:], draft_probs, target_probs, generator)
-                else:
-                    accepted, bonus = _sampled_accept(
-                        block_ids[1:], draft_probs, target_probs, block, generator
-                    )
-            else:
-                accepted, bonus = 0, pick(logits[0, -1])
-            output[start + 1 : start + accepted + 1] = block_ids[1 : accepted + 1]
-            output[start + accepted + 1] = bonus
-            produced = min(accepted + 1, max_len - start - 1)
-            new = output[start + 1 : start + produced + 1].tolist()
-            for i, token in enumerate(new):
-                if token in stops:
-                    produced, stopped = i + 1, True
-                    break
-            start += produced
-            cache.keep(produced)  # anchor + accepted drafts; the bonus token is the next verify's anchor
             result.accepted.append(produced)
-            context = features[:, :produced]  # anchor + accepted drafts: the bonus has no feature yet
         result.decode_seconds = _sync(device) - started
-        result.tokens = output[prompt_len : min(start + 1, max_len)].tolist()
+        result.tokens = state.output[prompt_len : min(state.start + 1, max_len)].tolist()
         return result

@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,234 @@ def _report_is_ours(path: Path) -> bool:
         return False
 
 
+@dataclass
+class _EvalState:
+    """One eval's inputs and decisions, filled in by its steps. The models stay outside it: the fp32
+    recheck frees them before it loads its own copies."""
+
+    target_dir: str
+    drafter_dir: str
+    prompts: str
+    settings: EvalSettings
+    device: torch.device
+    dtype: torch.dtype
+    target_config: Any = None
+    encoded: list[torch.Tensor] = field(default_factory=list)
+    block: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+    decoder: dict[str, Any] = field(default_factory=dict)  # `_decoder_record`
+    reused: bool = False  # plain decoding taken from the caller's `plain_runs`
+    fast_spec: list[Generation] = field(default_factory=list)  # the fast engine decodes every prompt up front
+    fast_plain: list[Generation] = field(default_factory=list)
+
+
+def _check_outputs(inputs: dict[str, str], out: str | None, plot_path: str | None, force: bool) -> None:
+    """--out and --plot are checked before a model loads: each overwritten only when flashdraft eval
+    wrote it (or with `force`), never an input, and never the same file."""
+    if out:
+        check_output_file(out, "--out", force=force, inputs=inputs, ours=_report_is_ours)
+    if plot_path:
+        check_plot_path(plot_path)
+        check_output_file(plot_path, "--plot", force=force, inputs=inputs, ours=plot_is_ours)
+    if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
+        raise FlashdraftError(f"--out and --plot are the same file {out}")
+
+
+def _load(state: _EvalState) -> tuple[Any, TargetModel]:
+    """The target's config and tokenizer, the encoded prompts, then the drafter and the target; fills in
+    the state's prompts, block size and stop rule. Returns (drafter, target)."""
+    settings, target_path = state.settings, Path(state.target_dir)
+    with phase(f"loading the target {state.target_dir} and the drafter {state.drafter_dir}"):
+        state.target_config = load_target_config(target_path)
+        tokenizer = load_target_tokenizer(target_path)
+        state.encoded = encode_prompts(
+            state.prompts,
+            tokenizer,
+            settings.thinking,
+            int(state.target_config.vocab_size),
+            settings.max_prompts,
+        )
+        drafter = load_drafter(
+            state.drafter_dir, target=state.target_config, device=state.device, dtype=state.dtype
+        )
+        target = TargetModel.load(
+            target_path, drafter.spec.target_layer_ids, device=state.device, dtype=state.dtype
+        )
+    state.block = settings.block_size or drafter.block_size
+    # the stop rule regeneration uses: a target whose generation config lists several eos ids ends its turn
+    # at any of them, not only at the tokenizer's eos
+    state.stop_ids = target_stop_ids(target_path, tokenizer, settings.thinking, required=False)
+    return drafter, target
+
+
+def _decode(
+    state: _EvalState, target: TargetModel, drafter, prompt: torch.Tensor, index: int = 0
+) -> Generation:
+    """Prompt `index` decoded by the eager loop: speculative with `drafter`, plain with None; seeded
+    `sampling.seed + index`, so its tokens do not depend on the other prompts."""
+    sampling = state.settings.sampling
+    return generate(
+        target,
+        drafter,
+        prompt,
+        sampling.max_new_tokens,
+        block_size=state.block,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop_token_ids=state.stop_ids,
+        generator=torch.Generator(device=state.device).manual_seed(sampling.seed + index),
+    )
+
+
+def _decode_up_front(state: _EvalState, target: TargetModel, drafter) -> None:
+    """The fast engine decodes every prompt now, `batch_size` rows at a time; the eager loop warms up
+    (kernels, allocator) on the first prompt instead, excluded from the numbers."""
+    if state.decoder["engine"] == "fast":
+        state.fast_spec, state.fast_plain = _fast_runs(
+            state.encoded,
+            state.settings,
+            target,
+            drafter,
+            state.block,
+            state.stop_ids,
+            state.decoder,
+            plain=not state.reused,
+        )
+        return
+    with phase("warming up on the first prompt (not counted)"):
+        _decode(state, target, drafter, state.encoded[0])
+        if not state.reused:
+            _decode(state, target, None, state.encoded[0])
+
+
+def _described(report: dict[str, Any], state: _EvalState) -> dict[str, Any]:
+    """`report` with what produced it: the decoder, the inputs, the device, dtype and settings."""
+    report.update(
+        {
+            "plain_decoding": "reused from an earlier greedy eval of the same prompts"
+            if state.reused
+            else "run",
+            "decoder": state.decoder,
+            "target": str(state.target_dir),
+            "drafter": str(state.drafter_dir),
+            "prompts_file": str(state.prompts),
+            "device": torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else "cpu",
+            "dtype": str(state.dtype).removeprefix("torch."),
+            "settings": asdict(state.settings),
+            "producer": PRODUCER,
+        }
+    )
+    return report
+
+
+def _decode_prompts(
+    state: _EvalState,
+    target: TargetModel,
+    drafter,
+    plain_runs: list[Generation] | None,
+    out: str | None,
+    console: Console,
+) -> tuple[list[Generation], list[Generation], list[dict[str, Any]]]:
+    """Every prompt's speculative and plain run (decoded here by the eager loop, or taken from the fast
+    engine's up-front runs or the reused plain runs), a line each, the first divergence of each when the
+    lossless check is on, and the --out report rewritten with `"complete": false` after each prompt.
+    Returns (speculative runs, plain runs, divergences)."""
+    encoded, block = state.encoded, state.block
+    spec, plain, divergences = [], [], []
+    with track("evaluating", len(encoded), unit="prompt") as bar:
+        for i, prompt in enumerate(encoded):
+            fast = state.decoder["engine"] == "fast"  # the fast engine decoded every prompt up front
+            spec_run = state.fast_spec[i] if fast else _decode(state, target, drafter, prompt, i)
+            plain_run = (
+                plain_runs[i]
+                if state.reused
+                else state.fast_plain[i]
+                if fast
+                else _decode(state, target, None, prompt, i)
+            )
+            spec.append(spec_run)
+            plain.append(plain_run)
+            console.print(
+                f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
+                f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
+                highlight=False,
+            )
+            if state.settings.check_lossless:
+                diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
+                if diff is not None:
+                    divergences.append({"prompt": i, **diff})
+            partial = _described(acceptance_report(spec, plain, block), state)
+            bar.advance(tokens=len(spec_run.tokens), tau=partial["tau"])
+            if out:
+                partial.update({"complete": False, "prompts_total": len(encoded), "divergences": divergences})
+                _write_report(partial, out)
+    return spec, plain, divergences
+
+
+def _recheck_divergences_in_fp32(state: _EvalState, divergences: list[dict[str, Any]]) -> None:
+    """Each divergence's prompt decoded again, plain and speculative, by fp32 copies of target and drafter
+    (the caller has dropped its own); the result goes into the divergence as `fp32`."""
+    if state.device.type == "cuda":
+        torch.cuda.empty_cache()
+    drafter = load_drafter(
+        state.drafter_dir, target=state.target_config, device=state.device, dtype=torch.float32
+    )
+    target = TargetModel.load(
+        Path(state.target_dir), drafter.spec.target_layer_ids, device=state.device, dtype=torch.float32
+    )
+    for d in divergences:
+        d["fp32"] = recheck_fp32(
+            target, drafter, state.encoded[d["prompt"]], d, state.settings, state.block, state.stop_ids
+        )
+
+
+def _summary_table(report: dict[str, Any], state: _EvalState, simulated: dict[str, Any] | None) -> Table:
+    """The console's summary of the report."""
+    settings, prompts = state.settings, len(state.encoded)
+    table = Table(
+        title=f"flashdraft eval: {prompts} prompts, block {state.block}, T={settings.sampling.temperature}"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("τ (per-prompt mean of accepted + 1, z-lab)", f"{report['tau']:.3f}")
+    table.add_row("τ pooled over all steps", f"{report['tau_pooled']:.3f}")
+    if simulated is not None:
+        table.add_row(f"simulated τ, held-out (training step {simulated['step']})", f"{simulated['tau']:.3f}")
+    if "zlab" in report:
+        z = report["zlab"]
+        table.add_row("τ of z-lab's dflash_generate (same prompts)", f"{z['tau']:.3f}")
+        table.add_row("prompts with step-identical acceptance (z-lab)", f"{z['identical_steps']} / {prompts}")
+        shared = z["shared_text"]
+        table.add_row(
+            f"τ on the {shared['tokens']} tokens both wrote alike (ours / z-lab)",
+            f"{shared['tau_flashdraft']:.3f} / {shared['tau_zlab']:.3f}",
+        )
+    decoder = state.decoder
+    table.add_row("decoder", f"{decoder['engine']}, batch {decoder['batch_size']}")
+    table.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
+    table.add_row("plain tokens/s (same code, B=1)", f"{report['baseline_tokens_per_s']:.1f}")
+    table.add_row("speedup", f"{report['speedup']:.2f}x")
+    rates = " ".join(f"{r:.2f}" for r in report["acceptance_by_position"])
+    table.add_row("acceptance by position 1..B-1", rates)
+    if settings.check_lossless:
+        lossless = report["lossless"]
+        table.add_row(
+            "lossless (identical / numerical ties / real divergences)",
+            f"{lossless['identical']} / {len(lossless['numerical_ties'])} / {len(lossless['diverged'])}",
+        )
+    return table
+
+
+def _write_plot(report: dict[str, Any], plot_path: str) -> None:
+    """The --plot image; a write that fails is one line naming the file and why."""
+    try:
+        plot(report, plot_path)
+    except OSError as exc:
+        reason = disk_full_reason(exc, Path(plot_path).parent) or exc.strerror or str(exc)
+        raise FlashdraftError(f"cannot write the report {plot_path}: {reason}") from None
+
+
 def run_eval(
     target_dir: str,
     drafter_dir: str,
@@ -172,167 +400,44 @@ def run_eval(
     and a last time, whole, with `"complete": true`."""
     console = console or Console()
     _check_settings(settings)
-    inputs = {"--target": target_dir, "--drafter": drafter_dir, "--prompts": prompts}
-    if out:
-        check_output_file(out, "--out", force=force, inputs=inputs, ours=_report_is_ours)
-    if plot_path:
-        check_plot_path(plot_path)
-        check_output_file(plot_path, "--plot", force=force, inputs=inputs, ours=plot_is_ours)
-    if out and plot_path and Path(out).resolve() == Path(plot_path).resolve():
-        raise FlashdraftError(f"--out and --plot are the same file {out}")
+    _check_outputs(
+        {"--target": target_dir, "--drafter": drafter_dir, "--prompts": prompts}, out, plot_path, force
+    )
     dev = resolve_device(device)
     configure_threads(threads, str(dev))
     dtype = DTYPES.get(settings.dtype) or default_dtype(dev)
-    target_path = Path(target_dir)
-    with phase(f"loading the target {target_dir} and the drafter {drafter_dir}"):
-        target_config = load_target_config(target_path)
-        tokenizer = load_target_tokenizer(target_path)
-        encoded = encode_prompts(
-            prompts, tokenizer, settings.thinking, int(target_config.vocab_size), settings.max_prompts
-        )
-        drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=dtype)
-        target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=dtype)
-    block = settings.block_size or drafter.block_size
-    # the stop rule regeneration uses: a target whose generation config lists several eos ids ends its turn
-    # at any of them, not only at the tokenizer's eos
-    stop_ids = target_stop_ids(target_path, tokenizer, settings.thinking, required=False)
-
-    def run(prompt: torch.Tensor, with_drafter: bool, index: int = 0) -> Generation:
-        return generate(
-            target,
-            drafter if with_drafter else None,
-            prompt,
-            settings.sampling.max_new_tokens,
-            block_size=block,
-            temperature=settings.sampling.temperature,
-            top_p=settings.sampling.top_p,
-            top_k=settings.sampling.top_k,
-            stop_token_ids=stop_ids,
-            generator=torch.Generator(device=dev).manual_seed(settings.sampling.seed + index),
-        )
-
+    state = _EvalState(target_dir, drafter_dir, prompts, settings, dev, dtype)
+    drafter, target = _load(state)
     reuse = plain_runs is not None and settings.sampling.temperature == 0
-    reused = reuse and len(plain_runs) == len(encoded)
-    decoder = _decoder_record(settings, target, drafter)
-    if "note" in decoder:
-        console.print(f"note: {decoder['note']}", highlight=False)
-    fast_spec: list[Generation] = []
-    fast_plain: list[Generation] = []
-    if decoder["engine"] == "fast":  # every prompt decoded up front, `batch_size` rows at a time
-        fast_spec, fast_plain = _fast_runs(
-            encoded, settings, target, drafter, block, stop_ids, decoder, plain=not reused
-        )
-    else:
-        with phase("warming up on the first prompt (not counted)"):
-            run(encoded[0], True)  # warm-up (kernels, allocator), excluded from the numbers
-            if not reused:
-                run(encoded[0], False)
-    spec, plain, divergences = [], [], []
-
-    def described(report: dict[str, Any]) -> dict[str, Any]:
-        report.update(
-            {
-                "plain_decoding": "reused from an earlier greedy eval of the same prompts"
-                if reused
-                else "run",
-                "decoder": decoder,
-                "target": str(target_dir),
-                "drafter": str(drafter_dir),
-                "prompts_file": str(prompts),
-                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                "dtype": str(dtype).removeprefix("torch."),
-                "settings": asdict(settings),
-                "producer": PRODUCER,
-            }
-        )
-        return report
-
-    with track("evaluating", len(encoded), unit="prompt") as bar:
-        for i, prompt in enumerate(encoded):
-            fast = decoder["engine"] == "fast"  # the fast engine decoded every prompt up front
-            spec_run = fast_spec[i] if fast else run(prompt, True, i)
-            plain_run = plain_runs[i] if reused else fast_plain[i] if fast else run(prompt, False, i)
-            spec.append(spec_run)
-            plain.append(plain_run)
-            console.print(
-                f"prompt {i + 1}/{len(encoded)}: {len(spec_run.tokens)} tokens, τ {spec_run.tau:.2f}, "
-                f"{tokens_per_second([spec_run]):.1f} tok/s speculative vs {tokens_per_second([plain_run]):.1f} plain",
-                highlight=False,
-            )
-            if settings.check_lossless:
-                diff = first_divergence(target, prompt, plain_run.tokens, spec_run.tokens)
-                if diff is not None:
-                    divergences.append({"prompt": i, **diff})
-            partial = described(acceptance_report(spec, plain, block))
-            bar.advance(tokens=len(spec_run.tokens), tau=partial["tau"])
-            if out:
-                partial.update({"complete": False, "prompts_total": len(encoded), "divergences": divergences})
-                _write_report(partial, out)
-    if reuse and not reused:
+    state.reused = reuse and len(plain_runs) == len(state.encoded)
+    state.decoder = _decoder_record(settings, target, drafter)
+    if "note" in state.decoder:
+        console.print(f"note: {state.decoder['note']}", highlight=False)
+    _decode_up_front(state, target, drafter)
+    spec, plain, divergences = _decode_prompts(state, target, drafter, plain_runs, out, console)
+    if reuse and not state.reused:
         plain_runs[:] = plain
-    report = described(acceptance_report(spec, plain, block))
+    report = _described(acceptance_report(spec, plain, state.block), state)
     simulated = simulated_tau(drafter_dir)
     if simulated is not None:  # training's teacher-forced estimate of the same checkpoint, to compare
         report["simulated"] = simulated
     if settings.engine == "zlab":
         report["zlab"] = zlab_comparison(
-            drafter_dir, target, encoded, spec, settings, block, stop_ids, dtype, console
+            drafter_dir, target, state.encoded, spec, settings, state.block, state.stop_ids, dtype, console
         )
     if settings.check_lossless == "fp32" and divergences and dtype != torch.float32:
         del drafter, target  # the timed runs are done: make room for the fp32 copies
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        drafter = load_drafter(drafter_dir, target=target_config, device=dev, dtype=torch.float32)
-        target = TargetModel.load(target_path, drafter.spec.target_layer_ids, device=dev, dtype=torch.float32)
-        for d in divergences:
-            d["fp32"] = recheck_fp32(target, drafter, encoded[d["prompt"]], d, settings, block, stop_ids)
+        _recheck_divergences_in_fp32(state, divergences)
     if settings.check_lossless:
-        report["lossless"] = lossless_summary(len(encoded), divergences)
-
-    table = Table(
-        title=f"flashdraft eval: {len(encoded)} prompts, block {block}, T={settings.sampling.temperature}"
-    )
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("τ (per-prompt mean of accepted + 1, z-lab)", f"{report['tau']:.3f}")
-    table.add_row("τ pooled over all steps", f"{report['tau_pooled']:.3f}")
-    if simulated is not None:
-        table.add_row(f"simulated τ, held-out (training step {simulated['step']})", f"{simulated['tau']:.3f}")
-    if "zlab" in report:
-        z = report["zlab"]
-        table.add_row("τ of z-lab's dflash_generate (same prompts)", f"{z['tau']:.3f}")
-        table.add_row(
-            "prompts with step-identical acceptance (z-lab)", f"{z['identical_steps']} / {len(encoded)}"
-        )
-        shared = z["shared_text"]
-        table.add_row(
-            f"τ on the {shared['tokens']} tokens both wrote alike (ours / z-lab)",
-            f"{shared['tau_flashdraft']:.3f} / {shared['tau_zlab']:.3f}",
-        )
-    table.add_row("decoder", f"{decoder['engine']}, batch {decoder['batch_size']}")
-    table.add_row("speculative tokens/s", f"{report['tokens_per_s']:.1f}")
-    table.add_row("plain tokens/s (same code, B=1)", f"{report['baseline_tokens_per_s']:.1f}")
-    table.add_row("speedup", f"{report['speedup']:.2f}x")
-    rates = " ".join(f"{r:.2f}" for r in report["acceptance_by_position"])
-    table.add_row("acceptance by position 1..B-1", rates)
-    if settings.check_lossless:
-        lossless = report["lossless"]
-        table.add_row(
-            "lossless (identical / numerical ties / real divergences)",
-            f"{lossless['identical']} / {len(lossless['numerical_ties'])} / {len(lossless['diverged'])}",
-        )
-    console.print(table)
+        report["lossless"] = lossless_summary(len(state.encoded), divergences)
+    console.print(_summary_table(report, state, simulated))
     for d in divergences:
         console.print(_divergence_line(d), highlight=False, soft_wrap=True)
     report["complete"] = True
     if out:
         _write_report(report, out)
     if plot_path:
-        try:
-            plot(report, plot_path)
-        except OSError as exc:
-            reason = disk_full_reason(exc, Path(plot_path).parent) or exc.strerror or str(exc)
-            raise FlashdraftError(f"cannot write the report {plot_path}: {reason}") from None
+        _write_plot(report, plot_path)
     return report
 
 
@@ -525,6 +630,30 @@ def tau_on_shared_text(runs: list[tuple[list[int], list[int], list[int], list[in
     }
 
 
+def _first_step_differences(ours: list[Generation], runs: list) -> tuple[list[dict[str, Any]], int]:
+    """Per prompt whose per-step acceptance lengths differ between our loop and z-lab's: the first step
+    where they do and each side's length there; and how many prompts got identical tokens."""
+    differences = []
+    same_tokens = 0
+    for i, (mine, theirs) in enumerate(zip(ours, runs, strict=True)):
+        lengths = list(theirs.acceptance_lengths)
+        same_tokens += theirs.output_ids[0, theirs.num_input_tokens :].tolist() == mine.tokens
+        if lengths != mine.accepted:
+            step = next(
+                (k for k, (a, b) in enumerate(zip(mine.accepted, lengths, strict=False)) if a != b),
+                min(len(lengths), len(mine.accepted)),
+            )
+            differences.append(
+                {
+                    "prompt": i,
+                    "step": step,
+                    "flashdraft": mine.accepted[step] if step < len(mine.accepted) else None,
+                    "zlab": lengths[step] if step < len(lengths) else None,
+                }
+            )
+    return differences, same_tokens
+
+
 def zlab_comparison(
     drafter_dir: str,
     target: TargetModel,
@@ -565,24 +694,7 @@ def zlab_comparison(
         run(encoded[0])  # warm-up, as for ours
         for prompt in encoded:
             runs.append(run(prompt))
-    differences = []
-    same_tokens = 0
-    for i, (mine, theirs) in enumerate(zip(ours, runs, strict=True)):
-        lengths = list(theirs.acceptance_lengths)
-        same_tokens += theirs.output_ids[0, theirs.num_input_tokens :].tolist() == mine.tokens
-        if lengths != mine.accepted:
-            step = next(
-                (k for k, (a, b) in enumerate(zip(mine.accepted, lengths, strict=False)) if a != b),
-                min(len(lengths), len(mine.accepted)),
-            )
-            differences.append(
-                {
-                    "prompt": i,
-                    "step": step,
-                    "flashdraft": mine.accepted[step] if step < len(mine.accepted) else None,
-                    "zlab": lengths[step] if step < len(lengths) else None,
-                }
-            )
+    differences, same_tokens = _first_step_differences(ours, runs)
     shared = tau_on_shared_text(
         [
             (
