@@ -54,7 +54,7 @@
 #   cycle: the launch -> status -> logs -> stop cycle on every GPU and a kill of one rank
 #          (tests/run/test_launch_cycle_gpu.py)
 #   ckpt: issue 34's checkpoint figure: bench train under torchrun on 1 GPU, shape (a), the 5-layer 1.05B drafter
-#          on the 8B-shaped target, checkpointing every CKPT_EVERY (default 100) of CKPT_STEPS (default 300)
+#          on the 8B-shaped target, checkpointing every CKPT_EVERY (default 150) of CKPT_STEPS (default 450)
 #          steps: a checkpointing step's time against a plain step's, the background write's own seconds and
 #          bytes (~15 GB with fp32 masters and moments; spaced so that a save never waits on the write
 #          before it) -> $OUT/ckpt_h200.json (~4 min, most of it the random target's save and the compile)
@@ -301,8 +301,8 @@ print('NVML:', gpu_usage())
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
   ckpt)
     df -h /tmp | tail -1  # the target (16 GB) and at most two checkpoints (~30 GB) at a time (keep_last 1)
-    python3 -m flashdraft bench train --nproc-per-node 1 --shape a --steps "${CKPT_STEPS:-300}" --warmup 3 \
-      --checkpoint-every "${CKPT_EVERY:-100}" --workdir /tmp/bw --out "$out/ckpt_h200.json" 2>&1 \
+    python3 -m flashdraft bench train --nproc-per-node 1 --shape a --steps "${CKPT_STEPS:-450}" --warmup 3 \
+      --checkpoint-every "${CKPT_EVERY:-150}" --workdir /tmp/bw --out "$out/ckpt_h200.json" 2>&1 \
       | grep -v -i warn | grep -E "checkpoint|error|Error" | tail -12
     python3 -c "import json,sys; print(json.dumps({k: v for k, v in json.load(open(sys.argv[1]))['checkpoint'].items() if k != 'writes'}))" \
       "$out/ckpt_h200.json" ;;

@@ -183,6 +183,27 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._written: list[WrittenCheckpoint] = []
         self._host: dict[str, torch.Tensor] = {}  # host buffers by place in the state, reused
+        self._reserving: threading.Thread | None = None  # allocating them ahead of the first save
+
+    def reserve(self, drafter: DFlashDraftModel, trainer_state: dict[str, Any]) -> None:
+        """Allocate, in a background thread, the pinned host buffers that `save` copies the state into.
+        Pinned memory for a multi-GB state takes seconds to allocate (14 s of a 5-layer drafter's 14.7 GB
+        on an H200, docs/distributed.md), which the first save would otherwise pay on the step's path; the
+        copy itself then costs a fraction of a second. Called once the optimizer's state exists (after a
+        step); a no-op for a state on the CPU, whose copies need no pinned memory."""
+        places: list[tuple[str, torch.Tensor]] = []
+        self._to_host(drafter.state_dict(), "weights", into=places)
+        self._to_host(trainer_state, "state", into=places)
+        wanted = [(where, t.shape, t.dtype) for where, t in places if t.is_cuda]
+        if wanted and self._reserving is None:
+            self._reserving = threading.Thread(
+                target=self._allocate, args=(wanted,), name="checkpoint-host-buffers", daemon=True
+            )
+            self._reserving.start()
+
+    def _allocate(self, wanted: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        for where, shape, dtype in wanted:  # torch.empty lets the GIL go: the training thread runs on
+            self._host[where] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
     def save(
         self,
@@ -193,6 +214,8 @@ class CheckpointWriter:
         keep_last: int,
     ) -> None:
         started = time.perf_counter()
+        if self._reserving is not None:  # the buffers `reserve` allocates (long done, normally)
+            self._reserving.join()
         self.wait()  # the previous write, if it still runs (and its error, if it failed)
         rng = rng_state()  # the step's RNG states, as a synchronous save took them
         on_device = drafter.state_dict()
@@ -221,11 +244,15 @@ class CheckpointWriter:
         written = WrittenCheckpoint(step, path, copy_seconds, time.perf_counter() - started)
         self._written.append(written)
 
-    def _to_host(self, tree: Any, where: str) -> Any:
+    def _to_host(self, tree: Any, where: str, into: list[tuple[str, torch.Tensor]] | None = None) -> Any:
         """A copy of `tree` that the training loop cannot change: tensors into host buffers, containers
-        anew (the sampler's state dict, say, moves on with the next step)."""
+        anew (the sampler's state dict, say, moves on with the next step). With `into`: nothing copied,
+        each tensor and the buffer place it would take listed there instead (for `reserve`)."""
         if isinstance(tree, torch.Tensor):
             tensor = tree.detach()
+            if into is not None:
+                into.append((where, tensor))
+                return None
             buffer = self._host.get(where)
             if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
                 buffer = torch.empty(
@@ -234,10 +261,10 @@ class CheckpointWriter:
                 self._host[where] = buffer
             return buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if isinstance(tree, dict):
-            return {k: self._to_host(v, f"{where}/{k}") for k, v in tree.items()}
+            return {k: self._to_host(v, f"{where}/{k}", into) for k, v in tree.items()}
         if isinstance(tree, list | tuple):
-            return type(tree)(self._to_host(v, f"{where}/{i}") for i, v in enumerate(tree))
-        return copy_module.deepcopy(tree)
+            return type(tree)(self._to_host(v, f"{where}/{i}", into) for i, v in enumerate(tree))
+        return None if into is not None else copy_module.deepcopy(tree)
 
     def poll(self) -> list[WrittenCheckpoint]:
         """Report the writes finished since the last call; raise the error of one that failed."""

@@ -148,11 +148,7 @@ class MasterWeightMuon(MasterWeightOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        flat_grads = self._flat_gradients()
-        self.steps += 1
-        settings = (g for g in self.param_groups if g["params"])
-        for group, flat_grad, setting in zip(self.groups, flat_grads, settings, strict=True):
-            group.check_bound()
+        for group, flat_grad, setting in self._groups_to_step():
             matrices = zip(
                 group.slots(flat_grad),
                 group.slots(group.master),

@@ -23,7 +23,7 @@ apart from the update, so train/muon.py's Muon has them too (`train.optimizer=mu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -264,6 +264,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.gradients()
         return [group.grad_sum if self._summed else group.grad for group in self.groups]
 
+    def _groups_to_step(self) -> Iterator[tuple[FlatGroup, Tensor, dict]]:
+        """Count the step, then each flat group (its bound checked) with its flat gradient and its
+        settings (the param group's lr, ...): the loop every subclass's `step` runs its update in."""
+        flat_grads = self._flat_gradients()
+        self.steps += 1
+        settings = (g for g in self.param_groups if g["params"])
+        for group, flat_grad, setting in zip(self.groups, flat_grads, settings, strict=True):
+            group.check_bound()
+            yield group, flat_grad, setting
+
     def _step_done(self) -> None:
         self._gathered = None
         self._summed = False
@@ -351,11 +361,7 @@ class MasterWeightAdamW(MasterWeightOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
-        flat_grads = self._flat_gradients()
-        self.steps += 1
-        settings = (g for g in self.param_groups if g["params"])
-        for group, flat_grad, setting in zip(self.groups, flat_grads, settings, strict=True):
-            group.check_bound()
+        for group, flat_grad, setting in self._groups_to_step():
             beta1, beta2 = setting["betas"]
             device = group.master.device
             values = torch.tensor(

@@ -99,6 +99,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
         (train.max_minutes) or a stop request."""
+        self.first_step = self.state.step  # 0, or the step a resume starts from
         # a line at least every 8 s between the metric rows (steps of seconds each on a CPU), main rank only
         self.steps_progress = Progress(
             "training" if not self.state.step else f"training from step {self.state.step}",
@@ -148,6 +149,8 @@ class Trainer:
             if self.validation_due(last, timed):
                 stopping = self.validate() or stopping
             self.writer.poll()  # a finished background write's line and heartbeat; a failed one's error
+            if state.step == self.first_step + 1:  # the optimizer's state exists from now on
+                self.reserve_checkpoint_memory()
             if self.checkpoint_due(last, stopping, timed):
                 self.save_checkpoint()
             if stopping:
@@ -417,6 +420,12 @@ class Trainer:
                 self.out_dir, self.state.step, drafter, trainer_state, self.config.train.keep_last
             )
             self.heartbeat.beat("training")
+
+    def reserve_checkpoint_memory(self) -> None:
+        """The background writer's host buffers, allocated now off the step's path rather than by the first
+        save on it. The main rank of an unsharded drafter alone: a sharded state gathers to the CPU."""
+        if self.topo.is_main and not self.placement.data_parallel.sharded:
+            self.writer.reserve(*self.checkpoint_contents())
 
     def checkpoint_contents(self) -> tuple[DFlashDraftModel, dict[str, Any]]:
         parallel = self.placement.data_parallel

@@ -131,3 +131,34 @@ def test_a_cuda_drafter_is_copied_to_pinned_memory_and_written_equal(tmp_path, d
     writer.save(tmp_path / "run", 8, drafter, state, keep_last=3)
     writer.wait()
     assert all(writer._host[k] is buffers[k] for k in buffers)  # the second save reused them
+
+
+def test_reserve_lists_the_places_a_save_copies_into(tmp_path, drafter):
+    """`reserve` allocates ahead the very buffers the first save would: the same places in the state
+    (on the CPU it allocates nothing; the listing is what it would allocate on CUDA)."""
+    writer = CheckpointWriter(say=lambda _line: None)
+    places: list = []
+    writer._to_host(drafter.state_dict(), "weights", into=places)
+    writer._to_host(_state(2), "state", into=places)
+    writer.reserve(drafter, _state(2))
+    assert writer._reserving is None and writer._host == {}  # a CPU state: no pinned buffers to make
+    writer.save(tmp_path / "run", 2, drafter, _state(2), keep_last=3)
+    writer.wait()
+    assert sorted(where for where, _ in places) == sorted(writer._host)
+
+
+@pytest.mark.gpu
+def test_the_first_save_copies_into_the_buffers_reserve_allocated(tmp_path, drafter):
+    """On CUDA `reserve` allocates the pinned buffers in a thread; the first save reuses every one of them
+    (nothing allocated on the step's path) and writes the state equal."""
+    drafter = drafter.cuda()
+    writer = CheckpointWriter(say=lambda _line: None)
+    state = {"step": 4, "moments": [torch.ones(1000, device="cuda")]}
+    writer.reserve(drafter, state)
+    writer._reserving.join()
+    reserved = dict(writer._host)
+    assert len(reserved) == len(drafter.state_dict()) + 1 and all(b.is_pinned() for b in reserved.values())
+    writer.save(tmp_path / "run", 4, drafter, state, keep_last=3)
+    (done,) = writer.wait()
+    assert set(writer._host) == set(reserved) and all(writer._host[k] is reserved[k] for k in reserved)
+    assert torch.equal(verify_checkpoint(done.path).state["moments"][0], torch.ones(1000))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from flashdraft.config import load_config
 from flashdraft.errors import FlashdraftError
 from flashdraft.train import checkpoint
-from flashdraft.train.checkpoint import list_checkpoints
+from flashdraft.train.checkpoint import CheckpointWriter, list_checkpoints
 from flashdraft.train.schedule import lr_lambda
 from flashdraft.train.trainer import train
 from tests.faults import fault_env
@@ -215,6 +215,36 @@ def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3
     assert best.spec.block_size == 4
 
 
+def _straight_then_crash_and_resume(tmp_path, target, data, monkeypatch, settings) -> tuple[dict, dict, dict]:
+    """A straight 12-step run, and a run that crashes after its step-4 checkpoint and resumes: their losses by
+    step and the crashed run's step-4 trainer state. Each process reserves the checkpoint writer's host
+    buffers once, after its first step (1, 1, then 5 for the resume)."""
+    reserved: list[int] = []
+    real_reserve = CheckpointWriter.reserve
+
+    def recording_reserve(self, drafter, trainer_state):
+        reserved.append(trainer_state["step"])
+        return real_reserve(self, drafter, trainer_state)
+
+    monkeypatch.setattr(CheckpointWriter, "reserve", recording_reserve)
+    straight = tmp_path / "straight"
+    train(load_config(None, _overrides(target, data, straight, **settings)))
+    crashed = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        crash_after_checkpoint(patch, 4)
+        with pytest.raises(RuntimeError, match="injected failure at step 4"):
+            train(load_config(None, _overrides(target, data, crashed, **settings)))
+    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=True)
+    train(load_config(None, _overrides(target, data, crashed, **settings)))
+    assert reserved == [1, 1, 5], reserved
+    return _losses(straight), _losses(crashed), state
+
+
+def _assert_exact_resume_that_learns(a: dict, b: dict) -> None:
+    assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
+    assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
+
+
 def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, train_file, monkeypatch):
     """train.dtype=bf16: bf16 drafter weights, fp32 masters in the optimizer state; a crash after the step-4
     checkpoint and a resume give the straight run's losses exactly, and the loss still falls."""
@@ -226,26 +256,14 @@ def test_bf16_master_weights_resume_exactly_and_learn(tmp_path, qwen3_target, tr
         "train.batch_size": 1,
         **PAPER_WEIGHTS,
     }
-    straight = tmp_path / "straight"
-    train(load_config(None, _overrides(qwen3_target, train_file, straight, **bf16)))
-    crashed = tmp_path / "crashed"
-    with monkeypatch.context() as patch:
-        crash_after_checkpoint(patch, 4)
-        with pytest.raises(RuntimeError, match="injected failure at step 4"):
-            train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
-    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=True)
+    a, b, state = _straight_then_crash_and_resume(tmp_path, qwen3_target, train_file, monkeypatch, bf16)
     assert all(s["master"].dtype == torch.float32 for s in state["optimizer"]["state"])
     # the drafter copy is in the weights' dtype (bf16): the fp32 masters are in the optimizer state
-    assert {
-        t.dtype
-        for t in load_file(
-            crashed / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"
-        ).values()
-    } == {torch.bfloat16}
-    train(load_config(None, _overrides(qwen3_target, train_file, crashed, **bf16)))
-    a, b = _losses(straight), _losses(crashed)
-    assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
-    assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
+    weights = load_file(
+        tmp_path / "crashed" / "checkpoints" / "step-00000004" / "drafter" / "model.safetensors"
+    )
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    _assert_exact_resume_that_learns(a, b)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -262,19 +280,9 @@ def test_muon_resumes_exactly_and_learns(tmp_path, qwen3_target, train_file, mon
         "train.batch_size": 1,
         **PAPER_WEIGHTS,
     }
-    straight = tmp_path / "straight"
-    train(load_config(None, _overrides(qwen3_target, train_file, straight, **muon)))
-    crashed = tmp_path / "crashed"
-    with monkeypatch.context() as patch:
-        crash_after_checkpoint(patch, 4)
-        with pytest.raises(RuntimeError, match="injected failure at step 4"):
-            train(load_config(None, _overrides(qwen3_target, train_file, crashed, **muon)))
-    state = torch.load(crashed / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=True)
+    a, b, state = _straight_then_crash_and_resume(tmp_path, qwen3_target, train_file, monkeypatch, muon)
     assert set(state["optimizer"]) == {"adamw", "muon"}
-    train(load_config(None, _overrides(qwen3_target, train_file, crashed, **muon)))
-    a, b = _losses(straight), _losses(crashed)
-    assert sorted(b) == list(range(1, 13)) and all(a[s] == b[s] for s in range(1, 13)), (a, b)
-    assert sum(a[s] for s in (10, 11, 12)) < sum(a[s] for s in (1, 2, 3)) - 0.3, a
+    _assert_exact_resume_that_learns(a, b)
 
 
 def test_a_fresh_start_into_an_earlier_runs_checkpoints_is_refused(tmp_path, qwen3_target, train_file):
