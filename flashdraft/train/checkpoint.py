@@ -283,13 +283,18 @@ class CheckpointWriter:
                 )
         return written
 
-    def settle(self) -> None:
-        """On the way out of a failing run: let the write in progress finish and report it, without
-        raising its own error over the run's (that one is printed instead)."""
+    def settle(self, run_error: BaseException, out_dir: str | Path) -> BaseException:
+        """On the way out of a failing run: let the write in progress finish and report it; return the
+        error to raise. That is the run's, unless both came from a full disk: the checkpoint's error then
+        says it best (the step, the earlier checkpoints intact, how to resume), and a write elsewhere (the
+        metrics, say) can lose the race to it under load. Otherwise the write's error is printed."""
         try:
             self.wait()
-        except Exception as exc:  # the run's error is the one to raise
+        except Exception as exc:
+            if disk_full_reason(run_error, out_dir) and disk_full_reason(exc, out_dir):
+                return exc
             self.say(f"the checkpoint being written when the run failed was not completed: {exc}")
+        return run_error
 
     def wait(self) -> list[WrittenCheckpoint]:
         """Until the write in progress, if any, is complete; then as `poll`."""

@@ -109,11 +109,13 @@ class Trainer:
         )
         try:
             return self._train()
-        except BaseException:
+        except BaseException as exc:
             # a failing run still completes the checkpoint it is writing before its error surfaces: the
             # caller (a test, a supervisor, the user) finds every checkpoint the run said it would keep
-            self.writer.settle()
-            raise
+            error = self.writer.settle(exc, self.out_dir)
+            if error is exc:
+                raise
+            raise error from exc
         finally:  # however the loop ends: no ticker left writing after it
             self.steps_progress.close()
 

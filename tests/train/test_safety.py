@@ -4,6 +4,7 @@ changed settings."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -185,6 +186,35 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run_without_a_checkpoint(
         "step-00000003",
         "step-00000004",
     ][-3:]  # keep_last 3; nothing written at step 5
+
+
+def test_a_full_disk_that_fails_the_metrics_before_the_checkpoint_reports_the_checkpoint(
+    tmp_path,
+    qwen3_target,
+    train_file,  # noqa: F811
+    monkeypatch,
+):
+    """The disk fills as step 2's checkpoint is written; under load the next step's metrics row can hit it
+    before the background write reports its failure. The error raised is the checkpoint's (the step, the
+    earlier checkpoints intact, how to resume), chained from the metrics one, not a bare OSError."""
+    from flashdraft.train.metrics import MetricsLogger
+
+    def full_disk_write(out_dir, step, *args, **kwargs):
+        time.sleep(1.0)  # outlasts step 3: its metrics row fails first
+        raise FlashdraftError(f"checkpoint step {step}: disk full writing {out_dir}: No space left on device")
+
+    log = MetricsLogger.log
+
+    def log_on_a_full_disk(self, step, metrics, kind="train", console=True):
+        if step >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return log(self, step, metrics, kind, console)
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", full_disk_write)
+    monkeypatch.setattr(MetricsLogger, "log", log_on_a_full_disk)
+    with pytest.raises(FlashdraftError, match=r"^checkpoint step 2: disk full") as info:
+        _run(qwen3_target, train_file, tmp_path / "run", **{"train.max_steps": 6, "train.save_every": 2})
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
 
 
 @pytest.mark.slow
