@@ -269,21 +269,12 @@ def test_budget_anchors_give_short_rows_fewer_blocks_and_the_batch_its_total(sam
 
 
 def test_packed_training_resumes_exactly(tmp_path, qwen3_target, monkeypatch):
-    from .test_trainer import _losses, _overrides, crash_after_checkpoint
+    from .test_trainer import _straight_then_crash_and_resume
 
     lengths = [30 + 3 * i for i in range(12)]
     data = write_samples(tmp_path / "train.jsonl", lengths, [4 + i % 5 for i in range(12)])
     extra = {"data.packing": "true", "data.max_length": 96, "train.anchors": "budget", "train.batch_size": 1}
-    straight = tmp_path / "straight"
-    train(load_config(None, _overrides(qwen3_target, data, straight, **extra)))
-
-    crashed = tmp_path / "crashed"
-    with monkeypatch.context() as m:
-        crash_after_checkpoint(m, 4)
-        with pytest.raises(RuntimeError, match="injected failure at step 4"):
-            train(load_config(None, _overrides(qwen3_target, data, crashed, **extra)))
-    train(load_config(None, _overrides(qwen3_target, data, crashed, **extra)))
-    a, b = _losses(straight), _losses(crashed)
+    a, b, _ = _straight_then_crash_and_resume(tmp_path, qwen3_target, data, monkeypatch, extra)
     assert sorted(a) == list(range(1, 9)) and all(a[s] == b[s] for s in range(1, 9)), (a, b)
 
 

@@ -216,7 +216,7 @@ def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3
 
 
 def _straight_then_crash_and_resume(tmp_path, target, data, monkeypatch, settings) -> tuple[dict, dict, dict]:
-    """A straight 12-step run, and a run that crashes after its step-4 checkpoint and resumes: their losses by
+    """A straight run, and a run that crashes after its step-4 checkpoint and resumes: their losses by
     step and the crashed run's step-4 trainer state. Each process reserves the checkpoint writer's host
     buffers once, after its first step (1, 1, then 5 for the resume)."""
     reserved: list[int] = []
