@@ -53,6 +53,9 @@
 #          balance report of the first one recommends
 #   cycle: the launch -> status -> logs -> stop cycle on every GPU and a kill of one rank
 #          (tests/run/test_launch_cycle_gpu.py)
+#   train-vs: bench train --shape a here and in the older checkout .wt/OLD (OLD: default a3e2a80; made here with
+#          `mkdir -p .wt/$OLD && git archive $OLD | tar -x -C .wt/$OLD`, carried [".gpu", ".wt"]), REPEATS (default 2)
+#          times each, interleaved (new, old, new, old: a drift of the machine falls on both) -> $OUT/vs_*.json
 #   ckpt: issue 34's checkpoint figure: bench train under torchrun on 1 GPU, shape (a), the 5-layer 1.05B drafter
 #          on the 8B-shaped target, checkpointing every CKPT_EVERY (default 150) of CKPT_STEPS (default 450)
 #          steps: a checkpointing step's time against a plain step's, the background write's own seconds and
@@ -299,6 +302,18 @@ print('NVML:', gpu_usage())
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
+  train-vs)
+    old=${OLD:-a3e2a80}
+    [ -d ".wt/$old" ] || { echo "no .wt/$old: make it with git archive and carry .wt"; exit 1; }
+    for i in $(seq "${REPEATS:-2}"); do
+      for tree in . ".wt/$old"; do
+        name=vs_$([ "$tree" = . ] && echo "$FLASHDRAFT_GIT_COMMIT" || echo "$old")_$i
+        (cd "$tree" && FLASHDRAFT_GIT_COMMIT=$([ "$tree" = . ] && echo "$FLASHDRAFT_GIT_COMMIT" || echo "$old") \
+          PYTHONPATH=$PWD:$OLDPWD/.gpu/pydeps timeout 150 python3 -m flashdraft bench train --shape a --steps 30 \
+          --warmup 5 --out "$out/$name.json" > "$out/$name.log" 2>&1)
+        echo "$name: $(grep -o '"samples_per_s_end_to_end": [0-9.]*' "$out/$name.json")"
+      done
+    done ;;
   ckpt)
     df -h /tmp | tail -1  # the target (16 GB) and at most two checkpoints (~30 GB) at a time (keep_last 1)
     python3 -m flashdraft bench train --nproc-per-node 1 --shape a --steps "${CKPT_STEPS:-450}" --warmup 3 \
