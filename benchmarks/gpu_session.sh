@@ -19,6 +19,9 @@
 #   compare: bench quality --variant dflash-decay/dflash-dpace/dflash-kl/dflash2 on the real target, every GPU,
 #          VARIANTS_PER_GPU (default 2) at once; MINUTES (default 2.5) each, EVAL_PROMPTS (default 8); ENGINE (default static, hf
 #          when static fails before the data exists) regenerates
+#   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
+#          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
+#          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
@@ -123,6 +126,15 @@ case "${1:-tests}" in
     [ -f $REAL/quality/data/eval/manifest.json ] || { tail -5 "$out/compare_${ENGINE:-static}.log"; run_compare hf; }
     grep -v -i warn "$out"/compare_*.log | grep -v "Loading weights" | tail -45
     for v in $REAL/quality/variants/*/; do tail -c 3000 $v/log.txt > "$out/variant_$(basename $v).log"; done ;;
+  recipe-optim)
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
+      --device cuda --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-8} --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \
+      --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-3} \
+      $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
+      --variant adamw:train.optimizer=adamw --variant muon:train.optimizer=muon \
+      --variant muon-2x:train.optimizer=muon,train.muon_lr=0.0012 \
+      --out "$out/quality_h200_smollm2_optimizer.json" > "$out/recipe_optim.log" 2>&1
+    grep -v -i warn "$out/recipe_optim.log" | grep -v "Loading weights" | tail -30 ;;
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
