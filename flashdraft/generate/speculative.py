@@ -76,59 +76,6 @@ def _single_block_masks(
     return {k.key: dense_mask(anchors, keep, positions, block, k) for k in set(kinds)}
 
 
-def _propose(
-    drafter: DFlashDraftModel,
-    hidden: Tensor,
-    anchor: Tensor,
-    target: TargetModel,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    draft_sampling: str,
-    generator: torch.Generator | None,
-    block: int,
-) -> tuple[Tensor, Tensor | None]:
-    """Draft tokens for block positions 1.. from their hidden states [1, n, H], and the proposal
-    distribution q [n, V] they were drawn from (None when greedy: acceptance needs no q). A sampled DFlash
-    proposal races Exp(1) draws for all `block` - 1 positions, also when the block was cut shorter at the
-    token limit, so the random stream never depends on where a block was cut (the fast engine draws alike)."""
-    greedy = temperature == 0
-    argmax = greedy or draft_sampling == "argmax"
-    vocab = target.vocab_size
-    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2
-        path, candidates, q_rows = drafter.propose(
-            hidden, anchor, target.lm_head_weight, 0.0 if argmax else temperature, generator
-        )
-        drafts = path[0]
-        if argmax:
-            return drafts, None if greedy else one_hot_probs(drafts, vocab)
-        # The selector's distribution over its candidates, as a full-vocabulary q.
-        q = torch.zeros(drafts.shape[0], vocab, device=hidden.device).scatter_(-1, candidates[0], q_rows[0])
-        return drafts, q
-    draft_logits = drafter.compute_logits(hidden[0], target.lm_head_weight)
-    if argmax:
-        drafts = draft_logits.argmax(-1)
-        return drafts, None if greedy else one_hot_probs(drafts, draft_logits.shape[-1])
-    draft_probs = sampling_probs(draft_logits, temperature, top_p, top_k)
-    noise = exponential_noise((block - 1, draft_probs.shape[-1]), generator, draft_probs.device)
-    return race(draft_probs, noise[: draft_probs.shape[0]]), draft_probs
-
-
-def _sampled_accept(
-    drafts: Tensor, draft_probs: Tensor, target_probs: Tensor, block: int, generator: torch.Generator | None
-) -> tuple[int, int]:
-    """The rejection rule (`sampling.rejection_rows`) for this one row: `block` - 1 uniforms and one Exp(1)
-    row per step, whatever the cut block's length, as the fast engine draws them."""
-    n, device = drafts.shape[0], drafts.device
-    uniforms = torch.rand(block - 1, generator=generator, device=device)[:n]
-    noise = exponential_noise((1, target_probs.shape[-1]), generator, device)
-    lengths = torch.tensor([n], device=device)
-    accepted, token = rejection_rows(
-        drafts[None], draft_probs[None], target_probs[None], lengths, uniforms[None], noise
-    )
-    return int(accepted[0]), int(token[0])
-
-
 @dataclass(frozen=True)
 class _Sampler:
     """How one generation chooses tokens: the settings and the generator every random draw comes from."""
@@ -148,6 +95,56 @@ class _Sampler:
         if self.greedy:
             return int(logits.argmax(-1))
         return int(sample(sampling_probs(logits, self.temperature, self.top_p, self.top_k), self.generator))
+
+
+def _propose(
+    drafter: DFlashDraftModel,
+    hidden: Tensor,
+    anchor: Tensor,
+    target: TargetModel,
+    sampler: _Sampler,
+    block: int,
+) -> tuple[Tensor, Tensor | None]:
+    """Draft tokens for block positions 1.. from their hidden states [1, n, H], and the proposal
+    distribution q [n, V] they were drawn from (None when greedy: acceptance needs no q). A sampled DFlash
+    proposal races Exp(1) draws for all `block` - 1 positions, also when the block was cut shorter at the
+    token limit, so the random stream never depends on where a block was cut (the fast engine draws alike)."""
+    temperature, generator = sampler.temperature, sampler.generator
+    greedy = sampler.greedy
+    argmax = greedy or sampler.draft_sampling == "argmax"
+    vocab = target.vocab_size
+    if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2
+        path, candidates, q_rows = drafter.propose(
+            hidden, anchor, target.lm_head_weight, 0.0 if argmax else temperature, generator
+        )
+        drafts = path[0]
+        if argmax:
+            return drafts, None if greedy else one_hot_probs(drafts, vocab)
+        # The selector's distribution over its candidates, as a full-vocabulary q.
+        q = torch.zeros(drafts.shape[0], vocab, device=hidden.device).scatter_(-1, candidates[0], q_rows[0])
+        return drafts, q
+    draft_logits = drafter.compute_logits(hidden[0], target.lm_head_weight)
+    if argmax:
+        drafts = draft_logits.argmax(-1)
+        return drafts, None if greedy else one_hot_probs(drafts, draft_logits.shape[-1])
+    draft_probs = sampling_probs(draft_logits, temperature, sampler.top_p, sampler.top_k)
+    noise = exponential_noise((block - 1, draft_probs.shape[-1]), generator, draft_probs.device)
+    return race(draft_probs, noise[: draft_probs.shape[0]]), draft_probs
+
+
+def _sampled_accept(
+    drafts: Tensor, draft_probs: Tensor, target_probs: Tensor, block: int, generator: torch.Generator | None
+) -> tuple[int, int]:
+    """The rejection rule (`sampling.rejection_rows`) for this one row: `block` - 1 uniforms and one Exp(1)
+    row per step, whatever the cut block's length, as the fast engine draws them."""
+    n, device = drafts.shape[0], drafts.device
+    uniforms = torch.rand(block - 1, generator=generator, device=device)[:n]
+    noise = exponential_noise((1, target_probs.shape[-1]), generator, device)
+    lengths = torch.tensor([n], device=device)
+    accepted, token = rejection_rows(
+        drafts[None], draft_probs[None], target_probs[None], lengths, uniforms[None], noise
+    )
+    return int(accepted[0]), int(token[0])
 
 
 @dataclass
@@ -188,11 +185,7 @@ def _draft_block(
         hidden[:, 1:],
         block_ids[:1],
         target,
-        sampler.temperature,
-        sampler.top_p,
-        sampler.top_k,
-        sampler.draft_sampling,
-        sampler.generator,
+        sampler,
         block,
     )
     return draft_probs
