@@ -155,14 +155,39 @@ class DataParallel:
             yield
 
     def close(self) -> None:
-        """Before the process group is destroyed: drop DDP's reducer. A C++ reducer that outlives
+        """Before the process group is destroyed: drop every reference the wrapper holds to it (DDP's
+        reducer, its logger and its own attribute; FSDP's mesh infos). A C++ reducer that outlives
         `destroy_process_group` holds the last reference to a gloo group, and frees it with the GIL held
         while a gloo worker thread, still freeing a finished collective's tensors, waits for the GIL: the
-        process hangs after its last step (docs/distributed.md, "Shutting down"). Dropped first, the
-        group's last reference goes with `destroy_process_group`, which frees it without the GIL."""
-        if self.kind == "ddp":
-            for name in ("reducer", "logger"):  # the logger holds the reducer too
+        process hangs after its last step. A Python owner frees it at interpreter exit, where that worker
+        thread cannot get the GIL at all: the rank aborts (docs/distributed.md, "Shutting down"). Dropped
+        first, the group's last reference goes with `destroy_process_group`, which frees it without the GIL
+        (tests/run/test_group_release.py)."""
+        if self.kind == "ddp":  # the logger holds the reducer too; the module, the group itself
+            for name in ("reducer", "logger", "process_group"):
                 self.module.__dict__.pop(name, None)
+        elif self.kind == "fsdp":
+            _drop_fsdp_group_references(self.module)
+
+
+def _drop_fsdp_group_references(module: nn.Module) -> None:
+    """FSDP2 keeps the process group it shards over in each sharded module's mesh info (and in its
+    parameters'); set to None there, as `close` needs. After this the sharded module cannot run again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sharded in module.modules():
+        if not isinstance(sharded, FSDPModule):
+            continue
+        param_group = getattr(sharded._get_fsdp_state(), "_fsdp_param_group", None)
+        if param_group is None:
+            continue
+        holders = [param_group, *getattr(param_group, "fsdp_params", ())]
+        for holder in holders:
+            for name in ("mesh_info", "post_forward_mesh_info"):
+                info = getattr(holder, name, None)
+                for field, value in list(vars(info).items()) if info is not None else ():
+                    if isinstance(value, dist.ProcessGroup):
+                        setattr(info, field, None)
 
 
 def resolve_data_parallel(setting: str, world_size: int) -> str:
