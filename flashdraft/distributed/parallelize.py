@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -375,20 +375,54 @@ def _run_decoder_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
 
 
-class CompiledLayerForward:
-    """A decoder layer's `forward` for feature extraction: the shared compiled graph when the call carries
-    no cache, the layer's eager forward when it does. Decoding (the real τ during training, the fast
-    engine's static cache) reads per-layer attributes such as `layer_idx` to write its cache: compiled, that
-    was one graph per layer and per cache state, the recompile storm the trainer turned into an error."""
+def _run_decoding_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`_run_decoder_layer` for decoding steps: a code object of its own, so its graphs are counted apart
+    from feature extraction's."""
+    return type(layer).forward(layer, *args, **kwargs)
 
-    def __init__(self, layer: nn.Module, compiled: Any):
-        self.layer = layer
-        self.compiled = compiled
+
+class CompiledLayerForward:
+    """A decoder layer's `forward`: the shared compiled graph of feature extraction (`features`) when the
+    call carries no cache; the shared compiled graph of decoding steps (`decoding`) when it carries a cache
+    that hands this layer a view of its own (`layer_view`: the fast engine's static cache in a step);
+    otherwise the layer's eager forward. Decoding through the model's cache reads per-layer attributes such
+    as `layer_idx` to find the layer's keys: compiled, that was one graph per layer and per cache state, the
+    recompile storm the trainer turned into an error. A view holds that layer's keys alone, so the layer
+    index goes unread and every layer of a kind shares one graph."""
+
+    def __init__(self, layer: nn.Module, index: int, features: Any = None, decoding: Any = None):
+        self.layer, self.index = layer, index
+        self.features, self.decoding = features, decoding
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if any(kwargs.get(name) is not None for name in CACHE_PARAMETERS):
-            return type(self.layer).forward(self.layer, *args, **kwargs)
-        return self.compiled(self.layer, *args, **kwargs)
+        name = next((n for n in CACHE_PARAMETERS if kwargs.get(n) is not None), None)
+        if name is None:
+            if self.features is not None:
+                return self.features(self.layer, *args, **kwargs)
+        elif self.decoding is not None:
+            layer_view = getattr(kwargs[name], "layer_view", None)
+            view = layer_view(self.index) if layer_view is not None else None
+            if view is not None:
+                _dynamic_widths(view.attended, kwargs.get("attention_mask"))
+                return self.decoding(self.layer, *args, **{**kwargs, name: view})
+        return type(self.layer).forward(self.layer, *args, **kwargs)
+
+
+def _dynamic_widths(*tensors: Any) -> None:
+    """A decoding step's attended width (the last dim of each tensor given) is dynamic from the first
+    compile: one graph for every width, where dynamo alone compiles the first width static and only the
+    second dynamic."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1)
+
+
+def _layer_forward(target: TargetModel, index: int) -> CompiledLayerForward:
+    """Layer `index`'s routing object, installed as its `forward` on first use (see CompiledLayerForward)."""
+    layer = target.layers[index]
+    if not isinstance(layer.__dict__.get("forward"), CompiledLayerForward):
+        layer.forward = CompiledLayerForward(layer, index)
+    return layer.forward
 
 
 def compile_decoder_layers(target: TargetModel) -> None:
@@ -400,8 +434,8 @@ def compile_decoder_layers(target: TargetModel) -> None:
     limit counts the target's graphs beside the drafter's (`guard_compile`)."""
     guard_compile(target_layer_kinds(target), owner="target")
     compiled = torch.compile(_run_decoder_layer, fullgraph=True, dynamic=True)
-    for layer in target.layers:
-        layer.forward = CompiledLayerForward(layer, compiled)
+    for index in range(len(target.layers)):
+        _layer_forward(target, index).features = compiled
 
 
 def compile_target(target: TargetModel, *, _on_cpu: bool = False) -> bool:
@@ -412,6 +446,70 @@ def compile_target(target: TargetModel, *, _on_cpu: bool = False) -> bool:
         return False
     compile_decoder_layers(target)
     return True
+
+
+@dataclass
+class DecodingCompile:
+    """What `compile_for_decoding` compiled: the target's decoder layers for steps through a cache with
+    layer views, and the drafter's calls of a decoding step (None: eager). `refusal`: why not, if not."""
+
+    target: TargetModel
+    drafter_forward: Any = None
+    context_key_values: Any = None
+    refusal: str | None = None
+
+    def undo(self) -> None:
+        """Back to eager code (a compile or capture that failed): the target's layers and the drafter."""
+        for index, layer in enumerate(self.target.layers):
+            if isinstance(layer.__dict__.get("forward"), CompiledLayerForward):
+                _layer_forward(self.target, index).decoding = None
+        self.drafter_forward = self.context_key_values = None
+
+
+def _run_drafter(drafter: DFlashDraftModel, *args: Any) -> Any:
+    return type(drafter).forward_cached(drafter, *args)
+
+
+def _drafter_step(compiled: Any, drafter: DFlashDraftModel, embedded: Tensor, positions: Tensor, masks: dict, *args: Any) -> Tensor:
+    """The compiled `forward_cached`, its masks' context width dynamic from the first compile."""
+    _dynamic_widths(*masks.values())
+    return compiled(drafter, embedded, positions, masks, *args)
+
+
+def _run_context_key_values(drafter: DFlashDraftModel, *args: Any) -> Any:
+    return type(drafter).context_key_values(drafter, *args)
+
+
+@functools.cache
+def _decoding_functions() -> tuple[Any, Any, Any]:
+    """The compiled decoding functions, made once per process: dynamo keeps its graphs per code object and
+    backend, so a second `torch.compile` of the same function would compile everything again."""
+    return tuple(torch.compile(f, fullgraph=True) for f in (_run_decoding_layer, _run_drafter, _run_context_key_values))
+
+
+def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) -> DecodingCompile:
+    """Compile a decoding step's model code for the fast engine (docs/decoding.md, "Compiled steps"): each
+    target decoder layer through one graph per layer kind, fed a view of its own keys by the static cache
+    (`CompiledLayerForward`), and the drafter's block forward and context projection, whole. A step of a
+    small model is bound by its kernel count (about 43 eager kernels a decoder layer: RMSNorm, RoPE and
+    SiLU·mul are several each); inductor fuses the element-wise ones around each GEMM. The prefill, the
+    embedding, the LM head and the acceptance stay eager. Refused, with the reason, where the target's
+    layers are not traced here (`target_compile_refusal`)."""
+    refusal = target_compile_refusal(target)
+    if refusal is not None:
+        return DecodingCompile(target, refusal=refusal)
+    # a kind's graph compiles once per (rows, block width) a process decodes with (plain and speculative,
+    # batch 1 and N), first with static attended widths, then with dynamic ones (a new width then compiles
+    # nothing): 8 such, RECOMPILES_PER_LAYER, per kind
+    guard_compile(target_layer_kinds(target), owner="decoding")
+    layer, drafter_forward, context_key_values = _decoding_functions()
+    for index in range(len(target.layers)):
+        _layer_forward(target, index).decoding = layer
+    compiled = DecodingCompile(target)
+    if drafter is not None:
+        compiled.drafter_forward = functools.partial(_drafter_step, drafter_forward, drafter)
+        compiled.context_key_values = functools.partial(context_key_values, drafter)
+    return compiled
 
 
 def parallelize(

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flashdraft.distributed.parallelize import DecodingCompile, compile_for_decoding
 from flashdraft.generate import linear_state
 from flashdraft.generate.kv_cache import StaticKVCache, step_masks
 from flashdraft.generate.sampling import (
@@ -55,7 +56,7 @@ from flashdraft.generate.sampling import (
 )
 from flashdraft.generate.speculative import Generation
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
-from flashdraft.model.drafter import DFlashDraftModel, DraftCache
+from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.target import TargetModel
 
 _GPU_BUCKET = 64  # attended widths round up to this on a GPU (one CUDA graph per bucket)
@@ -124,6 +125,7 @@ class FastEngine:
         stop_token_ids: list[int] | None = None,
         rows: int = 1,
         cuda_graphs: bool | None = None,
+        compile: bool | None = None,
         bucket: int = 0,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -151,6 +153,13 @@ class FastEngine:
         self.bucket = bucket or (_GPU_BUCKET if on_gpu else _CPU_BUCKET)
         self.graph_failure: str | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the step's model code compiled (docs/decoding.md, "Compiled steps"): by default where graphs are
+        self.compiled: DecodingCompile | None = None
+        self.compile_note: str | None = None
+        if self.cuda_graphs if compile is None else compile:
+            compiled = compile_for_decoding(target, drafter)
+            self.compiled = None if compiled.refusal else compiled
+            self.compile_note = f"eager model code: {compiled.refusal}" if compiled.refusal else None
         self.cache_argument = target._cache_kwarg
         sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
         self.window: int | None = int(target.config.sliding_window) if sliding else None
@@ -169,12 +178,17 @@ class FastEngine:
         rows, block, device = self.rows, self.block, self.device
         self.width = width
         config, dtype = self.target.model.config, self.target.dtype
+        # compiled, the buffers keep one column that is never attended: dynamo takes a slice that spans a
+        # whole buffer for a special case and would fix the graph's width there
+        columns = width + 1 if self.compiled is not None else width
         if self.mixers:
             self.kv = linear_state.StaticHybridCache(
                 config, self.mixers, rows, width, dtype, device, queries=block
             )
         else:
-            self.kv = StaticKVCache(config, rows, width, dtype, device, queries=block)
+            self.kv = StaticKVCache(
+                config, rows, columns, dtype, device, queries=block, layer_views=self.compiled is not None
+            )
         self.anchor = torch.zeros(rows, dtype=torch.long, device=device)  # each row's last committed token
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
         self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
@@ -186,7 +200,7 @@ class FastEngine:
         self.column_index = torch.arange(width, device=device)
         if self.drafter is not None:
             layer = self.drafter.layers[0].self_attn
-            shape = (rows, layer.num_kv_heads, width, layer.head_dim)
+            shape = (rows, layer.num_kv_heads, columns, layer.head_dim)
             dtype = self.drafter.fc.weight.dtype
             self.context_kv = [
                 (
@@ -195,10 +209,6 @@ class FastEngine:
                 )
                 for _ in self.drafter.layers
             ]
-            self.no_features = torch.zeros(
-                rows, 0, self.drafter.fc.in_features, dtype=self.target.dtype, device=device
-            )
-            self.no_positions = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.graphs.clear()
 
     def _masks(self, columns: Tensor, positions: Tensor) -> Tensor | dict[str, Tensor | None]:
@@ -218,11 +228,10 @@ class FastEngine:
         """Write the drafter's context K/V of target `features` [r, n, F] at absolute `positions` [r, n]
         (which are also their columns), for `rows` (all when None). The same projections as the drafter's
         own forward: fc, hidden_norm, rope, and each layer's key_value."""
-        drafter = self.drafter
-        ctx = drafter.hidden_norm(drafter.fc(features))
-        cos, sin = drafter.rope(positions, ctx)
-        for layer, (keys, values) in zip(drafter.layers, self.context_kv, strict=True):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)
+        project = self.drafter.context_key_values  # a prompt's (any length): eager
+        if rows is None and self.compiled is not None:
+            project = self.compiled.context_key_values
+        for (k, v), (keys, values) in zip(project(features, positions), self.context_kv, strict=True):
             if rows is not None:
                 keys[rows, :, : k.shape[2]] = k
                 values[rows, :, : k.shape[2]] = v
@@ -243,16 +252,8 @@ class FastEngine:
         for kind in set(drafter.layer_kinds()):
             mask = dense_mask(anchors, keep, context_columns, self.block, kind)
             masks[kind.key] = torch.cat([mask[..., :visible], mask[..., visible:] & in_block], -1)
-        cache = DraftCache(kv=[(k[:, :, :visible], v[:, :, :visible]) for k, v in self.context_kv])
-        hidden = drafter(
-            self.target.embed(block_ids),
-            self.no_features,
-            self.no_positions,
-            positions,
-            masks,
-            cache=cache,
-            block_len=self.block,
-        )
+        forward = drafter.forward_cached if self.compiled is None else self.compiled.drafter_forward
+        hidden = forward(self.target.embed(block_ids), positions, masks, self.context_kv, self.block)
         return hidden[:, 1:]
 
     def _proposals(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -346,22 +347,38 @@ class FastEngine:
         committed = torch.cat([drafts, token[:, None]], 1).scatter(1, accepted[:, None], token[:, None])
         return committed, accepted + 1
 
-    # -- CUDA graphs -----------------------------------------------------------------------------------
+    # -- compiled steps and CUDA graphs ---------------------------------------------------------------
+    def _warm_up(self, widths: list[int]) -> None:
+        """Eager steps on idle rows (they change nothing a later admission does not reset) at the first
+        width twice and at the last once, before any row is admitted and before any capture: the compiled
+        model code builds its graphs here (static widths at the first, dynamic ones at the last, which
+        every later width reuses), never inside a capture. A compile that fails leaves the model code eager,
+        and the engine's record says why."""
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            try:
+                for visible in (widths[0], widths[0], widths[-1]):
+                    self._step(visible)
+            except Exception as exc:
+                if self.compiled is None:
+                    raise
+                self.compiled.undo()
+                self.compiled, self.kv.layer_views = None, False
+                self.compile_note = f"compile failed, eager model code: {_first_line(exc)}"
+                self._step(widths[0])
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
+
     def _capture(self, widths: list[int]) -> None:
-        """One graph per attended width, captured before any row is admitted: the warm-up steps run on
-        inactive rows (they change nothing a later admission does not reset)."""
+        """One graph per attended width, captured after the warm-up (`_warm_up`)."""
         if not self.cuda_graphs or self.graph_failure or not widths:
             return
         if self.sampled and not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
             self.graph_failure = "this torch cannot register per-row generators with a CUDA graph"
             return
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step(widths[0])
-            torch.cuda.current_stream(self.device).wait_stream(side)
             pool = torch.cuda.graph_pool_handle()
             for visible in widths:
                 graph = torch.cuda.CUDAGraph()
@@ -373,7 +390,7 @@ class FastEngine:
                 self.graphs[visible] = graph
         except Exception as exc:  # any capture failure: eager steps, recorded in describe()
             self.graphs.clear()
-            self.graph_failure = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.graph_failure = _first_line(exc)
             torch.cuda.synchronize(self.device)
 
     def _run_step(self, visible: int) -> None:
@@ -448,7 +465,10 @@ class FastEngine:
             started = self._sync()
             shortest = min(p.shape[1] for p in prompts)
             widths = {self._visible(end + self.block) for end in range(shortest, self.width - self.block + 1)}
-            self._capture(sorted(widths - set(self.graphs)))
+            todo = sorted(widths - set(self.graphs))
+            if todo and (self.compiled is not None or (self.cuda_graphs and not self.graph_failure)):
+                self._warm_up(todo)
+            self._capture(todo)
             self.timing["capture_s"] += self._sync() - started
             return self._decode_all(prompts, seeds)
 
@@ -510,10 +530,17 @@ class FastEngine:
             "temperature": self.temperature,
             "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
             "graphs_captured": len(self.graphs),
+            "compiled": self.compiled is not None,
             "kv_bucket": self.bucket,
             "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
         }
         if self.cuda_graphs and self.graph_failure:
             record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"
+        if self.compile_note:
+            record["compile_note"] = self.compile_note
         return record
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -56,7 +56,14 @@ class StaticKVCache:
     speculative verify)."""
 
     def __init__(
-        self, config, rows: int, width: int, dtype: torch.dtype, device: torch.device, queries: int = 1
+        self,
+        config,
+        rows: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        queries: int = 1,
+        layer_views: bool = False,
     ):
         text = text_config(config)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -73,7 +80,10 @@ class StaticKVCache:
         self.rows, self.width = rows, width
         self.columns = torch.zeros(rows, queries, dtype=torch.long, device=device)
         self.visible = width
+        # a tensor whose length is the attended width (`LayerKV`); a view of it costs no kernel
+        self._width_carrier = torch.empty(width, dtype=torch.bool, device=device)
         self._prefill: tuple[slice, slice] | None = None
+        self.layer_views = layer_views
 
     @contextmanager
     def prefilling(self, rows: slice, columns: slice) -> Iterator[StaticKVCache]:
@@ -93,10 +103,40 @@ class StaticKVCache:
             keys[rows, :, columns] = key
             values[rows, :, columns] = value
             return key, value
-        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        keys.scatter_(2, index, key)
-        values.scatter_(2, index, value)
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
+        return self._step_view(layer_idx).update(key, value)
+
+    def _step_view(self, layer_idx: int) -> LayerKV:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        return LayerKV(keys, values, self.columns, self._width_carrier[: self.visible])
+
+    def layer_view(self, layer_idx: int) -> LayerKV | None:
+        """In a step, the cache of one attention layer for a compiled decoder layer (distributed/parallelize.py,
+        `compile_for_decoding`); None when prefilling or when views are off (the layer then runs eagerly)."""
+        if not self.layer_views or self._prefill is not None or self.keys[layer_idx] is None:
+            return None
+        return self._step_view(layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
+
+
+class LayerKV:
+    """One attention layer's keys and values in a step: its buffers, the columns the step writes (every
+    row's, an idle row's too, whose columns may lie past the attended width) and `attended`, a tensor whose
+    length is the attended width. `update` ignores the layer index it is given, so a compiled decoder
+    layer reads no per-layer integer and one graph serves every layer of a kind; the width comes as a
+    tensor's length, not an int, because dynamo makes a tensor's size dynamic when it changes (one graph
+    then serves every width) but keeps an int attribute constant (docs/decoding.md, "Compiled steps")."""
+
+    def __init__(self, keys: Tensor, values: Tensor, columns: Tensor, attended: Tensor):
+        self.keys, self.values, self.columns, self.attended = keys, values, columns, attended
+
+    def update(self, key: Tensor, value: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
+        self.keys.scatter_(2, index, key)
+        self.values.scatter_(2, index, value)
+        width = self.attended.shape[0]
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0

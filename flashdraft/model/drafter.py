@@ -150,6 +150,19 @@ class DrafterLayer(nn.Module):
         if past is not None:
             ctx_k = torch.cat([past[0], ctx_k], dim=2)
             ctx_v = torch.cat([past[1], ctx_v], dim=2)
+        return self.block(x, ctx_k, ctx_v, cos, sin, mask, block_len), (ctx_k, ctx_v)
+
+    def block(
+        self,
+        x: Tensor,
+        ctx_k: Tensor,
+        ctx_v: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | BlockMask | None,
+        block_len: int | None,
+    ) -> Tensor:
+        """The block rows' new hidden state, attending to the context K/V [b, h_kv, C, d] and to the block."""
         h = self.input_layernorm(x)
         if self.attention_conv is None:
             x = x + self.self_attn(h, ctx_k, ctx_v, cos, sin, mask)
@@ -164,7 +177,7 @@ class DrafterLayer(nn.Module):
         else:
             h, kernel = self.mlp_conv.prepare(h, block_len)
             x = x + self.mlp_conv.finish(self.mlp(h), kernel, block_len)
-        return x, (ctx_k, ctx_v)
+        return x
 
 
 @dataclass
@@ -263,6 +276,33 @@ class DFlashDraftModel(nn.Module):
         if cache is not None:
             cache.kv = new_kv
         return self.norm(x)
+
+    def forward_cached(
+        self,
+        noise_embedding: Tensor,
+        block_positions: Tensor,
+        masks: Masks,
+        context: Sequence[tuple[Tensor, Tensor]],
+        block_len: int,
+    ) -> Tensor:
+        """`forward` for a decoding engine that keeps the context K/V itself (`context_key_values`): per
+        layer, buffers [b, h_kv, W, d] of which the block sees the first C columns, C being what each mask
+        [b, 1, Q, C + Q] gives the context. No new context rows; returns the normed hidden [b, Q, H]."""
+        cos, sin = self.rope(block_positions, noise_embedding)
+        x = noise_embedding
+        for layer, (keys, values) in zip(self.layers, context, strict=True):
+            mask = masks[layer.self_attn.kind.key]
+            seen = mask.shape[-1] - x.shape[1]
+            x = layer.block(x, keys[:, :, :seen], values[:, :, :seen], cos, sin, mask, block_len)
+        return self.norm(x)
+
+    def context_key_values(self, target_hidden: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's context K/V [b, h_kv, C, d] of target features [b, C, n_feat*H] at absolute
+        `positions` [b, C]: what `forward` computes for its context rows (fc, hidden_norm, RoPE, the
+        layer's `key_value`), for a decoding engine that keeps them in a cache of its own."""
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        cos, sin = self.rope(positions, ctx)
+        return [layer.self_attn.key_value(ctx, cos, sin) for layer in self.layers]
 
     def compute_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
         logits = F.linear(hidden, lm_head_weight)

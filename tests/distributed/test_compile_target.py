@@ -151,7 +151,9 @@ def test_a_call_with_a_cache_runs_the_eager_forward_and_one_without_the_compiled
     target = TargetModel.load(qwen3_target, [1])
     calls = []
     layer = target.layers[0]
-    layer.forward = CompiledLayerForward(layer, lambda *args, **kwargs: calls.append(args[0]) or args[1])
+    layer.forward = CompiledLayerForward(
+        layer, 0, features=lambda *args, **kwargs: calls.append(args[0]) or args[1]
+    )
     features = target.features(torch.arange(5)[None])  # no cache: through `compiled`, with the layer
     assert calls == [layer] and features.shape == (1, 5, target.hidden_size)
     logits, _ = target.forward_cached(torch.arange(5)[None], torch.arange(5)[None], DecodingCache(target))

@@ -1,5 +1,6 @@
 """GPU checks (marker `gpu`) of the fast engine's CUDA graphs (flashdraft/generate/fast.py): captured, and
-replaying them gives what eager steps of the same engine give, token for token and step for step, for
+replaying them (the step's model code compiled, as by default on a GPU) gives what eager steps of eager
+model code give, token for token and step for step, for
 batch 1 and for ragged batched rows, greedy and sampled, and on a Gated DeltaNet hybrid. Run on the device
 machine: `python -m pytest -m gpu tests/generate/test_fast_engine_gpu.py`."""
 
@@ -50,6 +51,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(pair, rows, speculative):
     replayed = graphs.generate(prompts)
     record = graphs.describe()
     assert record["cuda_graphs"], record.get("cuda_graphs_failed")
+    assert record["compiled"], record.get("compile_note")  # the step's model code, inside the graphs
     assert record["graphs_captured"] >= 2  # prompts of 5-90 tokens + 48 new: several width buckets
     stepped = FastEngine(target, drafter, NEW, rows=rows, cuda_graphs=False).generate(prompts)
     assert [r.tokens for r in replayed] == [r.tokens for r in stepped]

@@ -1,0 +1,128 @@
+"""Compiled steps of the fast engine (distributed/parallelize.py::compile_for_decoding, docs/decoding.md,
+"Compiled steps"), on the CPU through inductor's C++ backend: the same tokens and the same acceptance
+lengths as the eager loop, every decoder layer of the target through one shared graph, and a compile that
+fails falling back to eager model code with the reason in the engine's record. On a GPU the same steps
+are captured in CUDA graphs (tests/generate/test_fast_engine_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashdraft.distributed import parallelize
+from flashdraft.generate.fast import FastEngine
+from flashdraft.generate.kv_cache import LayerKV
+from flashdraft.generate.speculative import generate
+from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.model.target import TargetModel
+
+NEW = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """Dynamo's graphs are per process: start and leave this module with none, so the counts below are
+    this module's and no other test meets its recompile budget used."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def pair(trained):
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+    yield target, drafter
+    for layer in target.layers:  # the routes installed on this module's own target copy
+        layer.__dict__.pop("forward", None)
+
+
+@pytest.fixture(scope="module")
+def prompts(trained) -> list[torch.Tensor]:
+    records = [json.loads(line) for line in (trained["target"].parent / "train.jsonl").open()][:7]
+    return [
+        torch.tensor([r["input_ids"][: r["loss_mask"].index(1) + 2 + 3 * i]])
+        for i, r in enumerate(records)
+        if 1 in r["loss_mask"]
+    ]
+
+
+def _graphs(function) -> int:
+    """How many graphs dynamo holds for `function` (its cache entries)."""
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__))
+
+
+def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_every_layer(pair, prompts):
+    target, drafter = pair
+    eager = [generate(target, drafter, p, NEW) for p in prompts]
+    assert max(max(run.accepted) for run in eager) >= 3  # multi-token acceptances are exercised
+    engine = FastEngine(target, drafter, NEW, compile=True, rows=2, bucket=8)
+    fast = engine.generate(prompts)
+    assert engine.describe()["compiled"], engine.describe()
+    assert [run.tokens for run in fast] == [run.tokens for run in eager]
+    assert [run.accepted for run in fast] == [run.accepted for run in eager]
+    # four decoder layers and several attended widths (bucket 8), yet one graph: widths are dynamic
+    assert len(target.layers) == 4 and len(engine.graphs) == 0 and engine.timing["steps"] > 20
+    assert _graphs(parallelize._run_decoding_layer) == 1
+    assert _graphs(parallelize._run_drafter) == 1
+    assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
+
+    plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
+    runs = plain.generate(prompts)
+    assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
+    assert _graphs(parallelize._run_decoding_layer) == 2  # one query a row: a graph of its own
+
+
+def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts, monkeypatch):
+    target, drafter = pair
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not build this\nsecond line")
+
+    monkeypatch.setattr(parallelize, "_decoding_functions", lambda: (broken, broken, broken))
+    engine = FastEngine(target, drafter, NEW, compile=True)
+    runs = engine.generate(prompts[:2])
+    record = engine.describe()
+    assert not record["compiled"]
+    assert record["compile_note"] == "compile failed, eager model code: RuntimeError: inductor could not build this"
+    assert [run.tokens for run in runs] == [generate(target, drafter, p, NEW).tokens for p in prompts[:2]]
+    assert all(layer.forward.decoding is None for layer in target.layers)  # the routes are back to eager
+
+
+def test_a_layer_takes_its_own_view_in_a_step_and_the_eager_forward_otherwise():
+    class Layer(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return "eager"
+
+    seen = []
+    route = parallelize.CompiledLayerForward(
+        Layer(), 2, decoding=lambda layer, *args, **kwargs: seen.append(kwargs) or "compiled"
+    )
+
+    class Cache:
+        def __init__(self, view):
+            self.view = view
+
+        def layer_view(self, index):
+            return self.view and SimpleNamespace(index=index, keys=self.view, attended=torch.empty(5))
+
+    assert route(None, cache=Cache("keys of 2")) == "compiled"
+    assert [(kw["cache"].index, kw["cache"].keys) for kw in seen] == [(2, "keys of 2")]  # its own view
+    assert route(None, cache=Cache(None)) == "eager"  # no view (a prefill)
+    assert route(None, past_key_values=object()) == "eager"  # a cache without views (the eager loop's)
+    assert route(None) == "eager"  # no cache, and no compiled feature extraction
+    assert len(seen) == 1
+
+
+def test_a_layer_view_writes_into_the_cache_it_views():
+    keys, values = torch.zeros(2, 1, 10, 3), torch.zeros(2, 1, 10, 3)
+    columns = torch.tensor([[4, 5], [7, 8]])  # the second row idle, past the attended width
+    view = LayerKV(keys, values, columns, torch.empty(6))
+    new = torch.arange(12.0).reshape(2, 1, 2, 3)
+    k, v = view.update(new, -new, 7)
+    assert k.shape == v.shape == (2, 1, 6, 3)
+    assert torch.equal(keys[0, 0, 4:6], new[0, 0]) and torch.equal(keys[1, 0, 7:9], new[1, 0])
+    assert torch.equal(values[1, 0, 7:9], -new[1, 0]) and torch.equal(k, keys[:, :, :6])
