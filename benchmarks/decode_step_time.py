@@ -40,7 +40,9 @@ def kernels_per_step(engine: FastEngine, prompt: torch.Tensor) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             engine._step(visible)
             torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    names = collections.Counter(
+        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
     return {"kernels": sum(names.values()), "top": dict(names.most_common(12))}
 
 
@@ -79,24 +81,35 @@ def main() -> None:
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to("cuda", torch.bfloat16).eval()
     target = TargetModel(model, LAYER_IDS)
     config = make_drafter_config(
-        target.config, num_layers=2, block_size=8, mask_token_id=SMOLLM2["vocab_size"] - 1, target_layer_ids=LAYER_IDS
+        target.config,
+        num_layers=2,
+        block_size=8,
+        mask_token_id=SMOLLM2["vocab_size"] - 1,
+        target_layer_ids=LAYER_IDS,
     )
     drafter = DFlashDraftModel(config)
     drafter.init_weights(torch.Generator().manual_seed(0))
     drafter = drafter.to("cuda", torch.bfloat16).eval()
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 49000, (1, int(torch.randint(40, 200, (1,), generator=g))), generator=g) for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(0, 49000, (1, int(torch.randint(40, 200, (1,), generator=g))), generator=g)
+        for _ in range(args.prompts)
+    ]
     results = []
     for compiled in (False, True):
         for rows in args.rows:
             for speculative in (False, True):
-                row = time_engine(target, drafter if speculative else None, rows, args.tokens, compiled, prompts)
+                row = time_engine(
+                    target, drafter if speculative else None, rows, args.tokens, compiled, prompts
+                )
                 results.append(row)
                 print({k: v for k, v in row.items() if k != "top"}, flush=True)
-    print(f"{'rows':>4} {'spec':>5} {'compiled':>8} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}")
+    print(
+        f"{'rows':>4} {'spec':>5} {'compiled':>8} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
+    )
     for r in results:
         print(
-            f"{r['rows']:>4} {str(r['speculative']):>5} {str(r['compiled']):>8} {r['ms_per_step']:>8} "
+            f"{r['rows']:>4} {r['speculative']!s:>5} {r['compiled']!s:>8} {r['ms_per_step']:>8} "
             f"{r.get('tokens_per_s') or '':>7} {r['kernels']:>7} {r['first_call_s']:>12}"
         )
     if args.out:

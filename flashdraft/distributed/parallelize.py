@@ -470,7 +470,9 @@ def _run_drafter(drafter: DFlashDraftModel, *args: Any) -> Any:
     return type(drafter).forward_cached(drafter, *args)
 
 
-def _drafter_step(compiled: Any, drafter: DFlashDraftModel, embedded: Tensor, positions: Tensor, masks: dict, *args: Any) -> Tensor:
+def _drafter_step(
+    compiled: Any, drafter: DFlashDraftModel, embedded: Tensor, positions: Tensor, masks: dict, *args: Any
+) -> Tensor:
     """The compiled `forward_cached`, its masks' context width dynamic from the first compile."""
     _dynamic_widths(*masks.values())
     return compiled(drafter, embedded, positions, masks, *args)
@@ -484,7 +486,9 @@ def _run_context_key_values(drafter: DFlashDraftModel, *args: Any) -> Any:
 def _decoding_functions() -> tuple[Any, Any, Any]:
     """The compiled decoding functions, made once per process: dynamo keeps its graphs per code object and
     backend, so a second `torch.compile` of the same function would compile everything again."""
-    return tuple(torch.compile(f, fullgraph=True) for f in (_run_decoding_layer, _run_drafter, _run_context_key_values))
+    return tuple(
+        torch.compile(f, fullgraph=True) for f in (_run_decoding_layer, _run_drafter, _run_context_key_values)
+    )
 
 
 def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) -> DecodingCompile:

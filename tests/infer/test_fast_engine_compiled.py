@@ -87,7 +87,10 @@ def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts
     runs = engine.generate(prompts[:2])
     record = engine.describe()
     assert not record["compiled"]
-    assert record["compile_note"] == "compile failed, eager model code: RuntimeError: inductor could not build this"
+    assert (
+        record["compile_note"]
+        == "compile failed, eager model code: RuntimeError: inductor could not build this"
+    )
     assert [run.tokens for run in runs] == [generate(target, drafter, p, NEW).tokens for p in prompts[:2]]
     assert all(layer.forward.decoding is None for layer in target.layers)  # the routes are back to eager
 
