@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
