@@ -507,6 +507,11 @@ class EvalSettings:
     batch_size: int = doc(
         1, "prompts decoding together on --engine fast, each row refilled as it finishes", "positive_int"
     )
+    no_compile: bool = doc(
+        False,
+        "on --engine fast, run the step's model code eagerly inside the CUDA graphs (by default it is "
+        "compiled on a GPU, docs/decoding.md 'Compiled steps'): for debugging, and the reference",
+    )
 
 
 def check_eval_settings(settings: EvalSettings) -> None:

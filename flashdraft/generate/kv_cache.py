@@ -79,6 +79,7 @@ class StaticKVCache:
         ]
         self.rows, self.width = rows, width
         self.columns = torch.zeros(rows, queries, dtype=torch.long, device=device)
+        self.row_index = torch.arange(rows, device=device)[:, None]  # [rows, 1]: each row's own columns
         self.visible = width
         # a tensor whose length is the attended width (`LayerKV`); a view of it costs no kernel
         self._width_carrier = torch.empty(width, dtype=torch.bool, device=device)
@@ -107,7 +108,7 @@ class StaticKVCache:
 
     def _step_view(self, layer_idx: int) -> LayerKV:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        return LayerKV(keys, values, self.columns, self._width_carrier[: self.visible])
+        return LayerKV(keys, values, self.row_index, self.columns, self._width_carrier[: self.visible])
 
     def layer_view(self, layer_idx: int) -> LayerKV | None:
         """In a step, the cache of one attention layer for a compiled decoder layer (distributed/parallelize.py,
@@ -128,13 +129,15 @@ class LayerKV:
     tensor's length, not an int, because dynamo makes a tensor's size dynamic when it changes (one graph
     then serves every width) but keeps an int attribute constant (docs/decoding.md, "Compiled steps")."""
 
-    def __init__(self, keys: Tensor, values: Tensor, columns: Tensor, attended: Tensor):
-        self.keys, self.values, self.columns, self.attended = keys, values, columns, attended
+    def __init__(self, keys: Tensor, values: Tensor, rows: Tensor, columns: Tensor, attended: Tensor):
+        self.keys, self.values, self.attended = keys, values, attended
+        self.rows, self.columns = rows, columns  # [rows, 1] and [rows, queries]: where the new keys go
 
     def update(self, key: Tensor, value: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        index = self.columns[:, None, :, None].expand(-1, key.shape[1], -1, key.shape[3])
-        self.keys.scatter_(2, index, key)
-        self.values.scatter_(2, index, value)
+        # an indexed write in place (index_put_): compiled, it writes into the buffer itself, where a
+        # scatter_ compiles to a copy of the whole buffer and a write back
+        self.keys[self.rows, :, self.columns] = key.transpose(1, 2)
+        self.values[self.rows, :, self.columns] = value.transpose(1, 2)
         width = self.attended.shape[0]
         return self.keys[:, :, :width], self.values[:, :, :width]
 

@@ -490,6 +490,7 @@ def _fast_runs(
     s = settings.sampling
     new, rows = s.max_new_tokens, settings.batch_size
     common = {"stop_token_ids": stop_ids, "rows": rows, "temperature": s.temperature}
+    common["compile"] = False if settings.no_compile else None  # None: compiled where graphs are
     common.update(top_p=s.top_p, top_k=s.top_k)
     spec_engine = FastEngine(target, drafter, new, block_size=block, **common)
     plain_engine = FastEngine(target, None, new, **common)

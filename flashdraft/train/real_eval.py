@@ -114,7 +114,13 @@ class RealDecoder:
         block = drafter.block_size
         if self.engine == "fast":
             engine = FastEngine(
-                self.target, drafter, self.new_tokens, block_size=block, stop_token_ids=self.stop_ids, rows=1
+                self.target,
+                drafter,
+                self.new_tokens,
+                block_size=block,
+                stop_token_ids=self.stop_ids,
+                rows=1,
+                compile=False,  # the trainer's compiles and recompile budget stay its own
             )
 
             # one width for every prompt: the buffers and CUDA graphs are made once per evaluation

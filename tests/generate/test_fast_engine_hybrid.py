@@ -79,12 +79,19 @@ class TableDrafter(DFlashDraftModel):
             for position, token in enumerate(sequence):
                 self.table.setdefault((position, token), sequence)
 
-    def forward(self, noise_embedding, target_hidden, ctx_positions, block_positions, masks, **kwargs):
+    def _look_up(self, noise_embedding, block_positions) -> None:
         anchors = (noise_embedding[:, 0, None, :] == self.embed_weight[None]).all(-1).float().argmax(-1)
         self.keys = list(zip(block_positions[:, 0].tolist(), anchors.tolist(), strict=True))
+
+    def forward(self, noise_embedding, target_hidden, ctx_positions, block_positions, masks, **kwargs):
+        self._look_up(noise_embedding, block_positions)  # the eager loop's call
         return super().forward(
             noise_embedding, target_hidden, ctx_positions, block_positions, masks, **kwargs
         )
+
+    def forward_cached(self, noise_embedding, block_positions, *args):
+        self._look_up(noise_embedding, block_positions)  # the fast engine's call
+        return super().forward_cached(noise_embedding, block_positions, *args)
 
     def compute_logits(self, hidden, lm_head_weight):
         logits = super().compute_logits(hidden, lm_head_weight)

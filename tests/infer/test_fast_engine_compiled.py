@@ -123,7 +123,7 @@ def test_a_layer_takes_its_own_view_in_a_step_and_the_eager_forward_otherwise():
 def test_a_layer_view_writes_into_the_cache_it_views():
     keys, values = torch.zeros(2, 1, 10, 3), torch.zeros(2, 1, 10, 3)
     columns = torch.tensor([[4, 5], [7, 8]])  # the second row idle, past the attended width
-    view = LayerKV(keys, values, columns, torch.empty(6))
+    view = LayerKV(keys, values, torch.arange(2)[:, None], columns, torch.empty(6))
     new = torch.arange(12.0).reshape(2, 1, 2, 3)
     k, v = view.update(new, -new, 7)
     assert k.shape == v.shape == (2, 1, 6, 3)
