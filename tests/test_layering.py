@@ -112,7 +112,7 @@ def test_the_table_reader_understands_each_kind_of_row():
     allowed = _documented_imports()
     assert allowed["core"] == set()
     assert allowed["model"] == {"core"}
-    assert allowed["generate"] == {"model", "core"}
+    assert allowed["generate"] == {"distributed", "model", "core"}
     assert (
         "cli" not in allowed["bench"] and "quickstart" not in allowed["bench"] and "train" in allowed["bench"]
     )
