@@ -19,7 +19,9 @@ every step. This engine keeps the same algorithm and changes only where the stat
 - acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
   reads one small tensor per step (how many tokens each row committed), which is the stop check;
 - on a GPU one step (draft forward, verify forward, acceptance) is captured in a CUDA graph per attended
-  width bucket and replayed; on the CPU, or when capture fails, the same step runs eagerly.
+  width bucket and replayed, the step's model code compiled first (`compile_for_decoding`: the target's
+  decoder layers, the drafter's block forward and context projection; docs/decoding.md, "Compiled
+  steps"); on the CPU, or when capture fails, the same step runs eagerly.
 
 Block size 1 skips the drafter: plain decoding through the same engine, the speedup's baseline.
 Sampled decoding follows the eager loop draw for draw: each row has its own `torch.Generator`, seeded
@@ -351,9 +353,9 @@ class FastEngine:
     def _warm_up(self, widths: list[int]) -> None:
         """Eager steps on idle rows (they change nothing a later admission does not reset) at the first
         width twice and at the last once, before any row is admitted and before any capture: the compiled
-        model code builds its graphs here (static widths at the first, dynamic ones at the last, which
-        every later width reuses), never inside a capture. A compile that fails leaves the model code eager,
-        and the engine's record says why."""
+        model code builds its graphs here (widths dynamic from the first compile; the last width would
+        show a graph that needed another), never inside a capture. A compile that fails leaves the model
+        code eager, and the engine's record says why."""
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
