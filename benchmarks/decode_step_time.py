@@ -58,6 +58,7 @@ def time_engine(target, drafter, rows: int, tokens: int, compiled: bool, prompts
         "rows": rows,
         "speculative": drafter is not None,
         "compiled": record["compiled"],
+        "fused_layers": record["fused_layers"],
         "cuda_graphs": record["cuda_graphs"],
         "ms_per_step": round(1e3 * seconds / steps, 3),
         "steps": steps,
@@ -105,11 +106,11 @@ def main() -> None:
                 results.append(row)
                 print({k: v for k, v in row.items() if k != "top"}, flush=True)
     print(
-        f"{'rows':>4} {'spec':>5} {'compiled':>8} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
+        f"{'rows':>4} {'spec':>5} {'compiled':>8} {'fused':>5} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
     )
     for r in results:
         print(
-            f"{r['rows']:>4} {r['speculative']!s:>5} {r['compiled']!s:>8} {r['ms_per_step']:>8} "
+            f"{r['rows']:>4} {r['speculative']!s:>5} {r['compiled']!s:>8} {r['fused_layers']!s:>5} {r['ms_per_step']:>8} "
             f"{r.get('tokens_per_s') or '':>7} {r['kernels']:>7} {r['first_call_s']:>12}"
         )
     if args.out:

@@ -36,6 +36,13 @@ from flashdraft.distributed.float8 import PRECISIONS, check_float8_device, conve
 from flashdraft.distributed.target_parallel import GroupTarget
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.fused_decoder import (
+    STEP_TOLERANCE,
+    FusedProjections,
+    checked_difference,
+    fused_decoder_step,
+    fusion_refusal,
+)
 from flashdraft.model.target import CACHE_PARAMETERS, TargetModel
 
 # A batch's context (its padded length) changes from step to step. Compiled with every input static, a
@@ -381,18 +388,36 @@ def _run_decoding_layer(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(layer).forward(layer, *args, **kwargs)
 
 
+def _run_fused_decoding_layer(layer: nn.Module, fused: FusedProjections, *args: Any) -> Tensor:
+    return fused_decoder_step(layer, fused, *args)
+
+
+@dataclass
+class FusedDecoding:
+    """The target's decoder layers' fused steps (model/fused_decoder.py), one `FusedProjections` a layer;
+    `refusal` says why the layers run their own forward instead: a layer of another shape, or a fused
+    step that computed something else than the layer's forward when the two were compared
+    (`checked_difference`)."""
+
+    projections: list[FusedProjections]
+    refusal: str | None = None
+
+
 class CompiledLayerForward:
     """A decoder layer's `forward`: the shared compiled graph of feature extraction (`features`) when the
     call carries no cache; the shared compiled graph of decoding steps (`decoding`) when it carries a cache
-    that hands this layer a view of its own (`layer_view`: the fast engine's static cache in a step);
-    otherwise the layer's eager forward. Decoding through the model's cache reads per-layer attributes such
-    as `layer_idx` to find the layer's keys: compiled, that was one graph per layer and per cache state, the
-    recompile storm the trainer turned into an error. A view holds that layer's keys alone, so the layer
-    index goes unread and every layer of a kind shares one graph."""
+    that hands this layer a view of its own (`layer_view`: the fast engine's static cache in a step), as
+    the fused step (`fused`, model/fused_decoder.py) where the layer takes one; otherwise the layer's
+    eager forward. Decoding through the model's cache reads per-layer attributes such as `layer_idx` to
+    find the layer's keys: compiled, that was one graph per layer and per cache state, the recompile storm
+    the trainer turned into an error. A view holds that layer's keys alone, so the layer index goes unread
+    and every layer of a kind shares one graph."""
 
     def __init__(self, layer: nn.Module, index: int, features: Any = None, decoding: Any = None):
         self.layer, self.index = layer, index
         self.features, self.decoding = features, decoding
+        self.fused: FusedDecoding | None = None
+        self.fused_decoding: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         name = next((n for n in CACHE_PARAMETERS if kwargs.get(n) is not None), None)
@@ -404,7 +429,13 @@ class CompiledLayerForward:
             view = layer_view(self.index) if layer_view is not None else None
             if view is not None:
                 _dynamic_widths(view.attended, kwargs.get("attention_mask"))
-                return self.decoding(self.layer, *args, **{**kwargs, name: view})
+                kwargs = {**kwargs, name: view}
+                fused = self.fused
+                if fused is None or fused.refusal is not None:
+                    return self.decoding(self.layer, *args, **kwargs)
+                hidden_states = args[0] if args else kwargs["hidden_states"]
+                step = (hidden_states, kwargs["attention_mask"], kwargs["position_embeddings"], view)
+                return self.fused_decoding(self.layer, fused.projections[self.index], *step)
         return type(self.layer).forward(self.layer, *args, **kwargs)
 
 
@@ -457,13 +488,20 @@ class DecodingCompile:
     drafter_forward: Any = None
     context_key_values: Any = None
     refusal: str | None = None
+    fused: FusedDecoding | None = None
 
     def undo(self) -> None:
         """Back to eager code (a compile or capture that failed): the target's layers and the drafter."""
         for index, layer in enumerate(self.target.layers):
             if isinstance(layer.__dict__.get("forward"), CompiledLayerForward):
-                _layer_forward(self.target, index).decoding = None
+                routing = _layer_forward(self.target, index)
+                routing.decoding = routing.fused_decoding = None
         self.drafter_forward = self.context_key_values = None
+
+    def layer_note(self) -> str | None:
+        """Why the decoder layers run their own forward, not the fused step; None when fused."""
+        refusal = self.fused.refusal if self.fused is not None else "not fused"
+        return None if refusal is None else f"decoder layers on their own forward: {refusal}"
 
 
 def _run_drafter(drafter: DFlashDraftModel, *args: Any) -> Any:
@@ -483,20 +521,49 @@ def _run_context_key_values(drafter: DFlashDraftModel, *args: Any) -> Any:
 
 
 @functools.cache
-def _decoding_functions() -> tuple[Any, Any, Any]:
+def _decoding_functions() -> tuple[Any, Any, Any, Any]:
     """The compiled decoding functions, made once per process: dynamo keeps its graphs per code object and
     backend, so a second `torch.compile` of the same function would compile everything again."""
-    return tuple(
-        torch.compile(f, fullgraph=True) for f in (_run_decoding_layer, _run_drafter, _run_context_key_values)
-    )
+    functions = (_run_decoding_layer, _run_fused_decoding_layer, _run_drafter, _run_context_key_values)
+    return tuple(torch.compile(f, fullgraph=True) for f in functions)
+
+
+def _fused_step_refusal(target: TargetModel) -> str | None:
+    """Why the fused step is not the first layer's own forward (`checked_difference`), or None."""
+    try:
+        difference = checked_difference(target.layers[0])
+    except Exception as exc:  # a layer the check cannot run is one the fused step is not proven on
+        return f"its fused step could not be checked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    if difference > STEP_TOLERANCE:
+        return f"its fused step differed from its own forward by {difference:.3g} (relative, fp32)"
+    return None
+
+
+def _fused_decoding(target: TargetModel) -> FusedDecoding:
+    """The target's fused decoder steps, made once (its layers' weights then view the fused ones), or
+    refused with the reason: a layer's shape (`fusion_refusal`) or the check's (`_fused_step_refusal`)."""
+    made = _layer_forward(target, 0).fused
+    if made is not None:
+        return made
+    refusal = next(filter(None, (fusion_refusal(layer) for layer in target.layers)), None)
+    if refusal is None:
+        refusal = _fused_step_refusal(target)
+    if refusal is not None:
+        fused = FusedDecoding([], refusal=refusal)
+    else:
+        fused = FusedDecoding([FusedProjections(layer) for layer in target.layers])
+    for index in range(len(target.layers)):
+        _layer_forward(target, index).fused = fused
+    return fused
 
 
 def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) -> DecodingCompile:
     """Compile a decoding step's model code for the fast engine (docs/decoding.md, "Compiled steps"): each
     target decoder layer through one graph per layer kind, fed a view of its own keys by the static cache
-    (`CompiledLayerForward`), and the drafter's block forward and context projection, whole. A step of a
-    small model is bound by its kernel count (about 43 eager kernels a decoder layer: RMSNorm, RoPE and
-    SiLU·mul are several each); inductor fuses the element-wise ones around each GEMM. The prefill, the
+    (`CompiledLayerForward`), as the fused step where the layer takes one (`FusedDecoding`), and the
+    drafter's block forward and context projection, whole. A step of a small model is bound by its kernel
+    count (about 43 eager kernels a decoder layer: RMSNorm, RoPE and SiLU·mul are several each); inductor
+    fuses the element-wise ones around each GEMM, the fused step halves the GEMMs' count. The prefill, the
     embedding, the LM head and the acceptance stay eager. Refused, with the reason, where the target's
     layers are not traced here (`target_compile_refusal`)."""
     refusal = target_compile_refusal(target)
@@ -506,10 +573,11 @@ def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) 
     # batch 1 and N), first with static attended widths, then with dynamic ones (a new width then compiles
     # nothing): 8 such, RECOMPILES_PER_LAYER, per kind
     guard_compile(target_layer_kinds(target), owner="decoding")
-    layer, drafter_forward, context_key_values = _decoding_functions()
+    layer, fused_layer, drafter_forward, context_key_values = _decoding_functions()
     for index in range(len(target.layers)):
-        _layer_forward(target, index).decoding = layer
-    compiled = DecodingCompile(target)
+        routing = _layer_forward(target, index)
+        routing.decoding, routing.fused_decoding = layer, fused_layer
+    compiled = DecodingCompile(target, fused=_fused_decoding(target))
     if drafter is not None:
         compiled.drafter_forward = functools.partial(_drafter_step, drafter_forward, drafter)
         compiled.context_key_values = functools.partial(context_key_values, drafter)

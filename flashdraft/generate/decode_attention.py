@@ -27,6 +27,8 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from flashdraft.model.fused_decoder import grouped_query_attention
+
 # kernel -> registered implementation name; transformers reads any name containing "flash" as a
 # flash-attention kernel to load, and one containing "sdpa" as its own SDPA: the names avoid both
 KERNELS = {"grouped": "grouped_decode", "grouped-fused": "grouped_decode_fused"}
@@ -61,12 +63,9 @@ def fused_grouped_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """`grouped_decode_attention` through PyTorch's fused SDPA: the query heads of one KV head become that
-    head's query rows, and the [b, 1, 1, cols] mask broadcasts over them, so no K or V is repeated."""
-    rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(rows, 1, heads, value.shape[-1])
+    head's query rows, and the [b, 1, 1, cols] mask broadcasts over them, so no K or V is repeated
+    (model/fused_decoder.py::grouped_query_attention, the compiled engine's attention)."""
+    return grouped_query_attention(query, key, value, mask, scaling)
 
 
 def by_row_groups(

@@ -533,14 +533,16 @@ class FastEngine:
             "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
             "graphs_captured": len(self.graphs),
             "compiled": self.compiled is not None,
+            "fused_layers": self.compiled is not None and self.compiled.layer_note() is None,
             "kv_bucket": self.bucket,
             "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
         }
         if self.cuda_graphs and self.graph_failure:
             record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"
-        if self.compile_note:
-            record["compile_note"] = self.compile_note
+        notes = [self.compile_note, self.compiled.layer_note() if self.compiled is not None else None]
+        if any(notes):
+            record["compile_note"] = "; ".join(filter(None, notes))
         return record
 
 

@@ -16,6 +16,7 @@ from flashdraft.distributed import parallelize
 from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.kv_cache import LayerKV
 from flashdraft.generate.speculative import generate
+from flashdraft.model import fused_decoder
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
@@ -61,19 +62,40 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     assert max(max(run.accepted) for run in eager) >= 3  # multi-token acceptances are exercised
     engine = FastEngine(target, drafter, NEW, compile=True, rows=2, bucket=8)
     fast = engine.generate(prompts)
-    assert engine.describe()["compiled"], engine.describe()
+    record = engine.describe()
+    assert record["compiled"] and record["fused_layers"] and "compile_note" not in record, record
     assert [run.tokens for run in fast] == [run.tokens for run in eager]
     assert [run.accepted for run in fast] == [run.accepted for run in eager]
     # four decoder layers and several attended widths (bucket 8), yet one graph: widths are dynamic
     assert len(target.layers) == 4 and len(engine.graphs) == 0 and engine.timing["steps"] > 20
-    assert _graphs(parallelize._run_decoding_layer) == 1
+    assert _graphs(parallelize._run_fused_decoding_layer) == 1
+    assert _graphs(parallelize._run_decoding_layer) == 0  # the layers' own forward: not compiled
     assert _graphs(parallelize._run_drafter) == 1
     assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
 
     plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
     runs = plain.generate(prompts)
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
-    assert _graphs(parallelize._run_decoding_layer) == 2  # one query a row: a graph of its own
+    assert _graphs(parallelize._run_fused_decoding_layer) == 2  # one query a row: a graph of its own
+
+
+def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_forward_decodes(
+    trained, prompts, monkeypatch
+):
+    """A family whose RoPE the fused step would apply wrongly (here: not at all): the check before the
+    first fused step sees it, and the compiled steps run the layers' own forward."""
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+    monkeypatch.setattr(fused_decoder, "_rotary_function", lambda attention: lambda q, k, cos, sin: (q, k))
+    engine = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
+    runs = engine.generate(prompts[:3])
+    record = engine.describe()
+    assert record["compiled"] and not record["fused_layers"]
+    assert record["compile_note"].startswith(
+        "decoder layers on their own forward: its fused step differed from its own forward by"
+    ), record
+    assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts[:3]]
+    assert _graphs(parallelize._run_decoding_layer) >= 1
 
 
 def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts, monkeypatch):
@@ -82,7 +104,7 @@ def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts
     def broken(*args, **kwargs):
         raise RuntimeError("inductor could not build this\nsecond line")
 
-    monkeypatch.setattr(parallelize, "_decoding_functions", lambda: (broken, broken, broken))
+    monkeypatch.setattr(parallelize, "_decoding_functions", lambda: (broken,) * 4)
     engine = FastEngine(target, drafter, NEW, compile=True)
     runs = engine.generate(prompts[:2])
     record = engine.describe()
