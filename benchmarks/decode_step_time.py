@@ -6,7 +6,7 @@ seconds the warm-up (compile included) and capture took (docs/decoding.md, "Comp
 A random drafter's proposals are rarely accepted, so the speculative rows give the step's cost, not a
 speedup: the speedup is `flashdraft eval`'s on a trained drafter.
 
-    python benchmarks/decode_step_time.py [--rows 1 16] [--tokens 256] [--out FILE]
+    python benchmarks/decode_step_time.py [--rows 1 16] [--tokens 256] [--compiled-only] [--kernel-time] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,7 +46,44 @@ def kernels_per_step(engine: FastEngine, prompt: torch.Tensor) -> dict:
     return {"kernels": sum(names.values()), "top": dict(names.most_common(12))}
 
 
-def time_engine(target, drafter, rows: int, tokens: int, compiled: bool, prompts: list[torch.Tensor]) -> dict:
+def kernel_time_per_step(engine: FastEngine, prompt: torch.Tensor, replays: int = 50) -> dict:
+    """Where a replayed step's GPU time goes: each kernel's mean microseconds a step (from torch.profiler
+    over `replays` replays of the step's CUDA graph at the row's width), their sum, and the step's wall."""
+    with torch.inference_mode():
+        engine._admit(0, prompt, 0)
+        visible = engine._visible(prompt.shape[1] + 1 + engine.block)
+        graph = engine.graphs.get(visible)
+        if graph is None:
+            return {}
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            began = time.perf_counter()
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - began
+    by_name: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[event.name[:90]] += event.device_time / replays
+    busy = sum(by_name.values())
+    return {
+        "kernel_us_per_step": round(busy, 1),
+        "wall_us_per_step": round(1e6 * wall / replays, 1),
+        "kernel_us": {name: round(us, 1) for name, us in by_name.most_common(16)},
+    }
+
+
+def time_engine(
+    target,
+    drafter,
+    rows: int,
+    tokens: int,
+    compiled: bool,
+    prompts: list[torch.Tensor],
+    profile_time: bool = False,
+) -> dict:
     engine = FastEngine(target, drafter, tokens, rows=rows, compile=compiled)
     began = time.perf_counter()
     engine.generate(prompts[:1])  # warm-up, compile and capture, as eval's first prompt
@@ -68,6 +105,8 @@ def time_engine(target, drafter, rows: int, tokens: int, compiled: bool, prompts
     if drafter is None:
         row["tokens_per_s"] = round(rows * steps / seconds) if rows == 1 else None
     row.update(kernels_per_step(engine, prompts[0]))
+    if profile_time:
+        row.update(kernel_time_per_step(engine, prompts[0]))
     return row
 
 
@@ -76,6 +115,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--compiled-only", action="store_true", help="skip the eager model code's rows")
+    parser.add_argument("--kernel-time", action="store_true", help="each kernel's microseconds a step")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -97,14 +138,22 @@ def main() -> None:
         for _ in range(args.prompts)
     ]
     results = []
-    for compiled in (False, True):
+    for compiled in (True,) if args.compiled_only else (False, True):
         for rows in args.rows:
             for speculative in (False, True):
                 row = time_engine(
-                    target, drafter if speculative else None, rows, args.tokens, compiled, prompts
+                    target,
+                    drafter if speculative else None,
+                    rows,
+                    args.tokens,
+                    compiled,
+                    prompts,
+                    args.kernel_time,
                 )
                 results.append(row)
-                print({k: v for k, v in row.items() if k != "top"}, flush=True)
+                print({k: v for k, v in row.items() if k not in ("top", "kernel_us")}, flush=True)
+                for name, us in row.get("kernel_us", {}).items():
+                    print(f"    {us:>7} us  {name}")
     print(
         f"{'rows':>4} {'spec':>5} {'compiled':>8} {'fused':>5} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
     )

@@ -294,7 +294,9 @@ print('NVML:', gpu_usage())
   step-time)
     # the fast engine's step, SmolLM2-135M-shaped random target, compiled and eager model code, both in
     # CUDA graphs: ms a step, plain tokens/s, kernels a step, first-call seconds (benchmarks/decode_step_time.py)
-    python3 benchmarks/decode_step_time.py --out "$out/decode_step_time_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
+    # STEP_FLAGS="--compiled-only --rows 1 --kernel-time": each kernel's microseconds a step as well
+    python3 benchmarks/decode_step_time.py ${STEP_FLAGS:-} --out "$out/decode_step_time_h200.json" 2>&1 \
+      | grep -v -i warn | tail -${STEP_LINES:-12} ;;
   probe)
     python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   hybrid-eval)
