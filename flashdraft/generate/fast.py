@@ -351,17 +351,18 @@ class FastEngine:
 
     # -- compiled steps and CUDA graphs ---------------------------------------------------------------
     def _warm_up(self, widths: list[int]) -> None:
-        """Eager steps on idle rows (they change nothing a later admission does not reset) at the first
-        width twice and at the last once, before any row is admitted and before any capture: the compiled
-        model code builds its graphs here (widths dynamic from the first compile; the last width would
+        """Eager steps on idle rows (they change nothing a later admission does not reset), before any row
+        is admitted and before any capture: one, for CUDA graphs alone (lazy initialisation stays out of the
+        capture); with compiled model code, at the first width twice and at the last once: it builds its graphs here (widths dynamic from the first compile; the last width would
         show a graph that needed another), never inside a capture. A compile that fails leaves the model
         code eager, and the engine's record says why."""
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
+            warm_widths = (widths[0], widths[0], widths[-1]) if self.compiled is not None else (widths[0],)
             try:
-                for visible in (widths[0], widths[0], widths[-1]):
+                for visible in warm_widths:
                     self._step(visible)
             except Exception as exc:
                 if self.compiled is None:
