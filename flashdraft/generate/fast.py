@@ -353,8 +353,9 @@ class FastEngine:
     def _warm_up(self, widths: list[int]) -> None:
         """Eager steps on idle rows (they change nothing a later admission does not reset), before any row
         is admitted and before any capture: one, for CUDA graphs alone (lazy initialisation stays out of the
-        capture); with compiled model code, at the first width twice and at the last once: it builds its graphs here (widths dynamic from the first compile; the last width would
-        show a graph that needed another), never inside a capture. A compile that fails leaves the model
+        capture); with compiled model code, at the first width twice and at the last once: it builds its
+        graphs here (widths dynamic from the first compile; the last width would show a graph that needed
+        another), never inside a capture. A compile that fails leaves the model
         code eager, and the engine's record says why."""
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if side is not None:
