@@ -95,15 +95,9 @@ def _rotary_function(attention: nn.Module) -> Callable | None:
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     """One weight (and bias) stacking `linears`' outputs; each linear's own weight becomes a view of it."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    has_bias = [linear.bias is not None for linear in linears]
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if all(has_bias) else None
-    if any(has_bias) and bias is None:  # some biased, some not: zeros stand in for the missing ones
-        bias = torch.cat(
-            [
-                linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
-                for linear in linears
-            ]
-        )
+    bias = None
+    if any(linear.bias is not None for linear in linears):  # zeros stand in for a missing one
+        bias = torch.cat([_bias_or_zeros(linear) for linear in linears])
     start = 0
     for linear in linears:
         end = start + linear.out_features
@@ -112,6 +106,12 @@ def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
             linear.bias.data = bias[start:end]
         start = end
     return weight, bias
+
+
+def _bias_or_zeros(linear: nn.Linear) -> Tensor:
+    if linear.bias is not None:
+        return linear.bias.detach()
+    return linear.weight.new_zeros(linear.out_features)
 
 
 class FusedProjections(nn.Module):
