@@ -47,6 +47,7 @@ FAMILIES = {
     "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE)),
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=8, **SHAPE)),
+    "llama, k biased alone": (LlamaForCausalLM, LlamaConfig(**SHAPE)),  # one biased projection of three
 }
 
 
@@ -54,6 +55,10 @@ def _model(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model_class, config = FAMILIES[family]
     model = model_class(config).eval()
+    if "biased alone" in family:
+        for layer in model.model.layers:
+            plain = layer.self_attn.k_proj
+            layer.self_attn.k_proj = torch.nn.Linear(plain.in_features, plain.out_features, bias=True)
     with torch.no_grad():  # biases and norms away from their initial zeros and ones
         for name, param in model.named_parameters():
             if "bias" in name or "norm" in name:
