@@ -41,8 +41,10 @@ from flashdraft.model.fused_decoder import (
     FusedProjections,
     checked_difference,
     fused_decoder_step,
+    fused_layer_step,
     fusion_refusal,
 )
+from flashdraft.model.fused_stack import FusedStack, stack_epilogue, stack_prologue, stack_refusal
 from flashdraft.model.target import CACHE_PARAMETERS, TargetModel
 
 # A batch's context (its padded length) changes from step to step. Compiled with every input static, a
@@ -489,6 +491,8 @@ class DecodingCompile:
     context_key_values: Any = None
     refusal: str | None = None
     fused: FusedDecoding | None = None
+    stack: FusedStack | None = None
+    stack_refusal: str | None = None
 
     def undo(self) -> None:
         """Back to eager code (a compile or capture that failed): the target's layers and the drafter."""
@@ -496,12 +500,25 @@ class DecodingCompile:
             if isinstance(layer.__dict__.get("forward"), CompiledLayerForward):
                 routing = _layer_forward(self.target, index)
                 routing.decoding = routing.fused_decoding = None
-        self.drafter_forward = self.context_key_values = None
+        self.drafter_forward = self.context_key_values = self.stack = None
+
+    def layers_fused(self) -> bool:
+        """Whether the decoder layers take the fused step (model/fused_decoder.py)."""
+        return self.fused is not None and self.fused.refusal is None
 
     def layer_note(self) -> str | None:
-        """Why the decoder layers run their own forward, not the fused step; None when fused."""
+        """Why the decoder layers run their own forward, not the fused step, or why the step runs through
+        the model's forward, not the fused stack; None when both are fused."""
         refusal = self.fused.refusal if self.fused is not None else "not fused"
-        return None if refusal is None else f"decoder layers on their own forward: {refusal}"
+        if refusal is not None:
+            return f"decoder layers on their own forward: {refusal}"
+        if self.stack is None:
+            return f"step through the model's forward: {self.stack_refusal or 'not stacked'}"
+        return None
+
+    def refuse_stack(self, reason: str) -> None:
+        """The step goes through the model's forward from now on (the layers stay fused), for `reason`."""
+        self.stack, self.stack_refusal = None, reason
 
 
 def _run_drafter(drafter: DFlashDraftModel, *args: Any) -> Any:
@@ -520,12 +537,49 @@ def _run_context_key_values(drafter: DFlashDraftModel, *args: Any) -> Any:
     return type(drafter).context_key_values(drafter, *args)
 
 
+def _stack_prologue_step(
+    compiled: Any,
+    embed: nn.Module,
+    rotary: nn.Module,
+    ids: Tensor,
+    positions: Tensor,
+    masks: dict,
+    groups: int,
+) -> Any:
+    """The compiled `stack_prologue`, its masks' width dynamic from the first compile."""
+    _dynamic_widths(*masks.values())
+    return compiled(embed, rotary, ids, positions, masks, groups)
+
+
+def _stack_layer_step(
+    compiled: Any,
+    layer: nn.Module,
+    fused: FusedProjections,
+    residual: Tensor,
+    update: Tensor,
+    bias: Tensor,
+    rotary: tuple,
+    view: Any,
+) -> Any:
+    """The compiled `fused_layer_step`, its mask's and its keys' width dynamic from the first compile."""
+    _dynamic_widths(view.attended, bias)
+    return compiled(layer, fused, residual, update, bias, rotary, view)
+
+
 @functools.cache
-def _decoding_functions() -> tuple[Any, Any, Any, Any]:
+def _decoding_functions() -> dict[str, Any]:
     """The compiled decoding functions, made once per process: dynamo keeps its graphs per code object and
     backend, so a second `torch.compile` of the same function would compile everything again."""
-    functions = (_run_decoding_layer, _run_fused_decoding_layer, _run_drafter, _run_context_key_values)
-    return tuple(torch.compile(f, fullgraph=True) for f in functions)
+    functions = {
+        "layer": _run_decoding_layer,
+        "fused_layer": _run_fused_decoding_layer,
+        "drafter": _run_drafter,
+        "context": _run_context_key_values,
+        "prologue": stack_prologue,
+        "stack_layer": fused_layer_step,
+        "epilogue": stack_epilogue,
+    }
+    return {name: torch.compile(f, fullgraph=True) for name, f in functions.items()}
 
 
 def _fused_step_refusal(target: TargetModel) -> str | None:
@@ -573,14 +627,21 @@ def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) 
     # batch 1 and N), first with static attended widths, then with dynamic ones (a new width then compiles
     # nothing): 8 such, RECOMPILES_PER_LAYER, per kind
     guard_compile(target_layer_kinds(target), owner="decoding")
-    layer, fused_layer, drafter_forward, context_key_values = _decoding_functions()
+    functions = _decoding_functions()
     for index in range(len(target.layers)):
         routing = _layer_forward(target, index)
-        routing.decoding, routing.fused_decoding = layer, fused_layer
+        routing.decoding, routing.fused_decoding = functions["layer"], functions["fused_layer"]
     compiled = DecodingCompile(target, fused=_fused_decoding(target))
+    if compiled.fused.refusal is None:
+        compiled.stack_refusal = stack_refusal(target)
+        if compiled.stack_refusal is None:
+            stack = compiled.stack = FusedStack(target, compiled.fused.projections)
+            stack.prologue = functools.partial(_stack_prologue_step, functions["prologue"])
+            stack.layer_step = functools.partial(_stack_layer_step, functions["stack_layer"])
+            stack.epilogue = functions["epilogue"]
     if drafter is not None:
-        compiled.drafter_forward = functools.partial(_drafter_step, drafter_forward, drafter)
-        compiled.context_key_values = functools.partial(context_key_values, drafter)
+        compiled.drafter_forward = functools.partial(_drafter_step, functions["drafter"], drafter)
+        compiled.context_key_values = functools.partial(functions["context"], drafter)
     return compiled
 
 

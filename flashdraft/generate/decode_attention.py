@@ -59,13 +59,10 @@ def grouped_decode_attention(
     return out.reshape(rows, 1, heads, value.shape[-1])
 
 
-def fused_grouped_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float
-) -> torch.Tensor:
-    """`grouped_decode_attention` through PyTorch's fused SDPA: the query heads of one KV head become that
-    head's query rows, and the [b, 1, 1, cols] mask broadcasts over them, so no K or V is repeated
-    (model/fused_decoder.py::grouped_query_attention, the compiled engine's attention)."""
-    return grouped_query_attention(query, key, value, mask, scaling)
+# `grouped_decode_attention` through PyTorch's fused SDPA: the query heads of one KV head become that head's
+# query rows and the [b, 1, 1, cols] mask broadcasts over them, so no K or V is repeated (the compiled
+# engine's attention too)
+fused_grouped_decode_attention = grouped_query_attention
 
 
 def by_row_groups(

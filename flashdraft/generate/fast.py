@@ -59,6 +59,7 @@ from flashdraft.generate.sampling import (
 from flashdraft.generate.speculative import Generation
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.fused_stack import STACK_TOLERANCE, stack_difference
 from flashdraft.model.target import TargetModel
 
 _GPU_BUCKET = 64  # attended widths round up to this on a GPU (one CUDA graph per bucket)
@@ -154,6 +155,9 @@ class FastEngine:
         self.cuda_graphs = on_gpu if cuda_graphs is None else cuda_graphs
         self.bucket = bucket or (_GPU_BUCKET if on_gpu else _CPU_BUCKET)
         self.graph_failure: str | None = None
+        self.stack_difference: float | None = (
+            None  # the fused stack against the model forward (`_check_stack`)
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # the step's model code compiled (docs/decoding.md, "Compiled steps"): by default where graphs are
         self.compiled: DecodingCompile | None = None
@@ -287,24 +291,12 @@ class FastEngine:
         if block > 1:
             masked = torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1)
             block_ids[:, 1:], draft_probs = self._proposals(self._draft(masked, positions, visible, proposed))
-        mask = self._masks(self.column_index[:visible], positions)
-        self.kv.columns.copy_(positions)
-        self.kv.visible = visible
-        rollback = bool(self.mixers) and block > 1  # linear states: kept as they were until `commit`
-        with self.kv.verifying() if rollback else nullcontext():
-            output, features = self.target._run_with_capture(
-                stop_early=False,
-                input_ids=block_ids,
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=True,
-                **{self.cache_argument: self.kv},
-            )
+        logits, features = self._verify(block_ids, positions, visible)
         # committed [rows, B]: the tokens each row would commit, the first `produced` of them kept
         if self.sampled:
-            committed, produced = self._sampled_accept(output.logits, block_ids, draft_probs, proposed)
+            committed, produced = self._sampled_accept(logits, block_ids, draft_probs, proposed)
         else:
-            committed = output.logits.argmax(-1)  # the target's token after each block position
+            committed = logits.argmax(-1)  # the target's token after each block position
             produced = torch.ones(rows, dtype=torch.long, device=self.device)
             if block > 1:  # the accepted drafts equal the target's tokens; the bonus follows them
                 produced += (block_ids[:, 1:] == committed[:, :-1]).long().cumprod(-1).sum(-1)
@@ -314,7 +306,7 @@ class FastEngine:
         produced = torch.minimum(produced, first_stop + 1)
         produced = torch.minimum(produced, self.max_new - self.count)
         produced = torch.where(self.active, produced, 0)
-        if rollback:  # each row's linear states: those of its committed tokens (an idle row's: unchanged)
+        if self.mixers and block > 1:  # each row's linear states: its committed tokens' (an idle row's: kept)
             self.kv.commit(produced)
         write = self.offsets[None, :] < produced[:, None]
         columns = torch.where(write, self.count[:, None] + self.offsets, self.max_new)
@@ -328,6 +320,50 @@ class FastEngine:
         stopped = (stop_hit & write).any(-1)
         self.active &= ~(stopped | (self.count >= self.max_new))
         self.produced.copy_(produced)
+
+    def _verify(
+        self, block_ids: Tensor, positions: Tensor, visible: int, *, model_forward: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """The target's logits and features of every row's block at `positions`, its keys written at their
+        columns: through the fused stack where the step has one (`model_forward`: through the model's
+        forward all the same), else through the model's forward."""
+        mask = self._masks(self.column_index[:visible], positions)
+        self.kv.columns.copy_(positions)
+        self.kv.visible = visible
+        stack = self.compiled.stack if self.compiled is not None else None
+        if stack is not None and not model_forward:
+            return stack.step(block_ids, positions, mask, self.kv)
+        rollback = bool(self.mixers) and self.block > 1  # linear states: kept as they were until `commit`
+        with self.kv.verifying() if rollback else nullcontext():
+            output, features = self.target._run_with_capture(
+                stop_early=False,
+                input_ids=block_ids,
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=True,
+                **{self.cache_argument: self.kv},
+            )
+        return output.logits, features
+
+    def _check_stack(self, visible: int) -> None:
+        """The fused stack's step against the model's own forward, eager, on the rows as they are (idle,
+        before the first step: the keys each writes are the other's), so that a model forward doing more than the
+        stack's loop is caught before it decodes anything; a difference past `STACK_TOLERANCE` sends the
+        steps through the model's forward, and the engine's record says why."""
+        if self.compiled is None or self.compiled.stack is None:
+            return
+        ids = self.anchor[:, None].expand(self.rows, self.block).clone()  # as a step's: contiguous
+        positions = self.start[:, None] + self.offsets
+        self.kv.layer_views = False  # the reference: transformers' own layers, eager
+        try:
+            reference = self._verify(ids, positions, visible, model_forward=True)
+        finally:
+            self.kv.layer_views = True
+        self.stack_difference = stack_difference(reference, self._verify(ids, positions, visible))
+        if self.stack_difference > STACK_TOLERANCE:
+            self.compiled.refuse_stack(
+                f"its fused stack differed from its model forward by {self.stack_difference:.3g} (relative)"
+            )
 
     def _sampled_accept(
         self, logits: Tensor, block_ids: Tensor, draft_probs: Tensor | None, proposed: Tensor
@@ -363,6 +399,7 @@ class FastEngine:
         with torch.cuda.stream(side) if side is not None else nullcontext():
             warm_widths = (widths[0], widths[0], widths[-1]) if self.compiled is not None else (widths[0],)
             try:
+                self._check_stack(widths[0])
                 for visible in warm_widths:
                     self._step(visible)
             except Exception as exc:
@@ -535,7 +572,9 @@ class FastEngine:
             "cuda_graphs": bool(self.cuda_graphs and not self.graph_failure),
             "graphs_captured": len(self.graphs),
             "compiled": self.compiled is not None,
-            "fused_layers": self.compiled is not None and self.compiled.layer_note() is None,
+            "fused_layers": self.compiled is not None and self.compiled.layers_fused(),
+            "fused_stack": self.compiled is not None and self.compiled.stack is not None,
+            "stack_difference": self.stack_difference,
             "kv_bucket": self.bucket,
             "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},

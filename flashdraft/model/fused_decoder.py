@@ -39,7 +39,7 @@ def grouped_query_attention(
 ) -> Tensor:
     """Attention of `queries` tokens per row through PyTorch's fused SDPA with no key or value repeated:
     query [b, heads, queries, d], key and value [b, kv, cols, d], mask [b, 1, queries, cols] bool (True:
-    attend); returns [b, queries, heads, dv].
+    attend) or the additive mask `grouped_attention_bias` made of one; returns [b, queries, heads, dv].
 
     Query head h uses KV head h // (heads // kv), as transformers' `repeat_kv` pairs them: the query heads
     of one KV head become that head's query rows (group-major), and each row takes its own token's mask."""
@@ -47,10 +47,27 @@ def grouped_query_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     grouped = query.reshape(rows, kv_heads, groups * queries, dim)
-    if queries > 1:  # one query token broadcasts its [b, 1, 1, cols] mask over the groups as it is
-        mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, 1, groups * queries, -1)
+    if mask.dtype == torch.bool:
+        mask = _grouped_rows(mask, groups)
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(rows, heads, queries, value.shape[-1]).transpose(1, 2)
+
+
+def _grouped_rows(mask: Tensor, groups: int) -> Tensor:
+    """A per-token mask [b, 1, queries, cols] for the grouped query rows (group-major); one query token's
+    [b, 1, 1, cols] broadcasts over the groups as it is."""
+    rows, _, queries, cols = mask.shape
+    if queries == 1:
+        return mask
+    return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, 1, groups * queries, cols)
+
+
+def grouped_attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """`mask` [b, 1, queries, cols] bool as the additive mask of `grouped_query_attention`'s rows, made once
+    a step for every layer: given the bool mask, each layer's attention converts it (and pads it) again, a
+    kernel a layer; given this, none (a contiguous input, aligned where the width is a multiple of 8)."""
+    blocked = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return _grouped_rows(blocked, groups).contiguous()
 
 
 def _plain_linear(module: object) -> bool:
@@ -131,7 +148,7 @@ class FusedProjections(nn.Module):
         self.rotary = _rotary_function(attention)
 
 
-def fused_decoder_step(
+def _attention_block(
     layer: nn.Module,
     fused: FusedProjections,
     hidden_states: Tensor,
@@ -139,11 +156,8 @@ def fused_decoder_step(
     position_embeddings: tuple[Tensor, Tensor],
     cache: object,
 ) -> Tensor:
-    """The layer's forward for a step through a static cache's layer view (`cache.update(k, v)` writes
-    the new keys and returns every attended one), hidden_states [b, queries, hidden], attention_mask
-    [b, 1, queries, cols] bool; returns the layer's output hidden states, as its own forward does."""
-    attention, mlp = layer.self_attn, layer.mlp
-    residual = hidden_states
+    """The layer's input plus its attention's output."""
+    attention = layer.self_attn
     x = layer.input_layernorm(hidden_states)
     head_shape = (*x.shape[:-1], -1, attention.head_dim)
     query, key, value = F.linear(x, fused.qkv_weight, fused.qkv_bias).split(fused.qkv_splits, -1)
@@ -155,11 +169,49 @@ def fused_decoder_step(
     query, key = fused.rotary(query, key, cos, sin)
     keys, values = cache.update(key, value)
     out = grouped_query_attention(query, keys, values, attention_mask, attention.scaling)
-    hidden = residual + attention.o_proj(out.reshape(*x.shape[:-1], -1))
+    return hidden_states + attention.o_proj(out.reshape(*x.shape[:-1], -1))
+
+
+def _mlp_block(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
+    """The layer's gated MLP output (before its residual add)."""
     gate, up = F.linear(
         layer.post_attention_layernorm(hidden), fused.gate_up_weight, fused.gate_up_bias
     ).chunk(2, -1)
-    return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+    return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+
+def fused_decoder_step(
+    layer: nn.Module,
+    fused: FusedProjections,
+    hidden_states: Tensor,
+    attention_mask: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    cache: object,
+) -> Tensor:
+    """The layer's forward for a step through a static cache's layer view (`cache.update(k, v)` writes
+    the new keys and returns every attended one), hidden_states [b, queries, hidden], attention_mask
+    [b, 1, queries, cols] bool (or `grouped_attention_bias`); returns the layer's output hidden states,
+    as its own forward does."""
+    hidden = _attention_block(layer, fused, hidden_states, attention_mask, position_embeddings, cache)
+    return hidden + _mlp_block(layer, fused, hidden)
+
+
+def fused_layer_step(
+    layer: nn.Module,
+    fused: FusedProjections,
+    residual: Tensor,
+    update: Tensor,
+    attention_bias: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    cache: object,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`fused_decoder_step` in `FusedStack`'s carried form: the layer's input is `residual + update` (the
+    previous layer's output, its last add left to this graph, where it fuses with this layer's norm);
+    returns that input (the previous layer's output, a feature), this layer's input plus its attention,
+    and its MLP's output, whose sum is this layer's output."""
+    hidden_states = residual + update
+    hidden = _attention_block(layer, fused, hidden_states, attention_bias, position_embeddings, cache)
+    return hidden_states, hidden, _mlp_block(layer, fused, hidden)
 
 
 def step_difference(reference: Tensor, fused: Tensor, hidden_states: Tensor) -> float:
@@ -188,7 +240,7 @@ class _ScratchCache:
         return self.keys, self.values
 
 
-def checked_difference(layer: nn.Module, rows: int = 2, queries: int = 3, width: int = 11) -> float:
+def checked_difference(layer: nn.Module) -> float:
     """`step_difference` of the fused step against the layer's own forward (its cache passed
     under the name its forward takes one by), both run on an fp32 copy of the layer with random inputs of a step's shapes: hidden
     states, RoPE tables, a cache of random keys attended whole. Random, not a real step's: a warm-up step
@@ -208,6 +260,7 @@ def checked_difference(layer: nn.Module, rows: int = 2, queries: int = 3, width:
     g = torch.Generator(device=device).manual_seed(0)
     kv_heads = attention.k_proj.out_features // attention.head_dim
     hidden_size = attention.o_proj.out_features
+    rows, queries, width = 2, 3, 11  # two rows writing a verify block at columns 2.. and at the end
 
     def random(*shape: int) -> Tensor:
         return torch.randn(shape, generator=g, device=device)
@@ -219,9 +272,7 @@ def checked_difference(layer: nn.Module, rows: int = 2, queries: int = 3, width:
         random(rows, kv_heads, width, attention.head_dim),
         random(rows, kv_heads, width, attention.head_dim),
     )
-    columns = (
-        torch.arange(queries, device=device) + torch.tensor([[2], [width - queries]], device=device)[:rows]
-    )
+    columns = torch.arange(queries, device=device) + torch.tensor([[2], [width - queries]], device=device)
     positions = columns.clone()
 
     def cache() -> _ScratchCache:

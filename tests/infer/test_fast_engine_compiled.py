@@ -16,7 +16,7 @@ from flashdraft.distributed import parallelize
 from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.kv_cache import LayerKV
 from flashdraft.generate.speculative import generate
-from flashdraft.model import fused_decoder
+from flashdraft.model import fused_decoder, fused_stack
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
 
@@ -63,20 +63,23 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     engine = FastEngine(target, drafter, NEW, compile=True, rows=2, bucket=8)
     fast = engine.generate(prompts)
     record = engine.describe()
-    assert record["compiled"] and record["fused_layers"] and "compile_note" not in record, record
+    assert record["compiled"] and record["fused_layers"] and record["fused_stack"], record
+    assert "compile_note" not in record and record["stack_difference"] < 1e-5, record
     assert [run.tokens for run in fast] == [run.tokens for run in eager]
     assert [run.accepted for run in fast] == [run.accepted for run in eager]
     # four decoder layers and several attended widths (bucket 8), yet one graph: widths are dynamic
     assert len(target.layers) == 4 and len(engine.graphs) == 0 and engine.timing["steps"] > 20
-    assert _graphs(parallelize._run_fused_decoding_layer) == 1
-    assert _graphs(parallelize._run_decoding_layer) == 0  # the layers' own forward: not compiled
+    assert _graphs(fused_decoder.fused_layer_step) == 1
+    assert _graphs(fused_stack.stack_prologue) == _graphs(fused_stack.stack_epilogue) == 1
+    # the layers' own forward, fused or not, is not compiled: the stack's check runs them eagerly
+    assert _graphs(parallelize._run_fused_decoding_layer) == _graphs(parallelize._run_decoding_layer) == 0
     assert _graphs(parallelize._run_drafter) == 1
     assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
 
     plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
     runs = plain.generate(prompts)
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
-    assert _graphs(parallelize._run_fused_decoding_layer) == 2  # one query a row: a graph of its own
+    assert _graphs(fused_decoder.fused_layer_step) == 2  # one query a row: a graph of its own
 
 
 def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_forward_decodes(
@@ -98,13 +101,40 @@ def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_
     assert _graphs(parallelize._run_decoding_layer) >= 1
 
 
+def test_a_stack_that_differs_from_the_model_forward_is_refused_and_the_model_forward_decodes(
+    trained, prompts, monkeypatch
+):
+    """A model forward that scales its logits where the stack's loop does not (Granite's
+    `logits_scaling`, say, had the config check missed it): the check before the first step sees it, and
+    the steps go through the model's forward, their layers still fused."""
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+    step = fused_stack.FusedStack.step
+
+    def scaled(self, *args):
+        logits, features = step(self, *args)
+        return logits * 1.5, features
+
+    monkeypatch.setattr(fused_stack.FusedStack, "step", scaled)
+    engine = FastEngine(target, drafter, NEW, compile=True, rows=2, bucket=8)
+    runs = engine.generate(prompts[:3])
+    record = engine.describe()
+    assert record["compiled"] and record["fused_layers"] and not record["fused_stack"]
+    assert record["stack_difference"] > fused_stack.STACK_TOLERANCE
+    assert record["compile_note"].startswith(
+        "step through the model's forward: its fused stack differed from its model forward by"
+    ), record
+    assert [run.tokens for run in runs] == [generate(target, drafter, p, NEW).tokens for p in prompts[:3]]
+
+
 def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts, monkeypatch):
     target, drafter = pair
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor could not build this\nsecond line")
 
-    monkeypatch.setattr(parallelize, "_decoding_functions", lambda: (broken,) * 4)
+    functions = {name: broken for name in parallelize._decoding_functions()}
+    monkeypatch.setattr(parallelize, "_decoding_functions", lambda: functions)
     engine = FastEngine(target, drafter, NEW, compile=True)
     runs = engine.generate(prompts[:2])
     record = engine.describe()
