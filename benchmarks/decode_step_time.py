@@ -96,6 +96,8 @@ def time_engine(
         "speculative": drafter is not None,
         "compiled": record["compiled"],
         "fused_layers": record["fused_layers"],
+        "fused_stack": record["fused_stack"],
+        "stack_difference": record["stack_difference"],
         "cuda_graphs": record["cuda_graphs"],
         "ms_per_step": round(1e3 * seconds / steps, 3),
         "steps": steps,
@@ -155,11 +157,12 @@ def main() -> None:
                 for name, us in row.get("kernel_us", {}).items():
                     print(f"    {us:>7} us  {name}")
     print(
-        f"{'rows':>4} {'spec':>5} {'compiled':>8} {'fused':>5} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
+        f"{'rows':>4} {'spec':>5} {'compiled':>8} {'fused':>5} {'stack':>5} {'ms/step':>8} {'tok/s':>7} {'kernels':>7} {'first call s':>12}"
     )
     for r in results:
         print(
-            f"{r['rows']:>4} {r['speculative']!s:>5} {r['compiled']!s:>8} {r['fused_layers']!s:>5} {r['ms_per_step']:>8} "
+            f"{r['rows']:>4} {r['speculative']!s:>5} {r['compiled']!s:>8} {r['fused_layers']!s:>5} {r['fused_stack']!s:>5} "
+            f"{r['ms_per_step']:>8} "
             f"{r.get('tokens_per_s') or '':>7} {r['kernels']:>7} {r['first_call_s']:>12}"
         )
     if args.out:

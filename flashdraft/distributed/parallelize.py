@@ -22,7 +22,7 @@ import contextlib
 import functools
 import inspect
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -580,6 +580,13 @@ def _decoding_functions() -> dict[str, Any]:
         "epilogue": stack_epilogue,
     }
     return {name: torch.compile(f, fullgraph=True) for name, f in functions.items()}
+
+
+@functools.cache
+def compiled_engine_function(function: Callable) -> Any:
+    """A decoding engine's own step function (generate/fast.py: the acceptance, the rows' settling)
+    compiled whole, once per process for each function."""
+    return torch.compile(function, fullgraph=True)
 
 
 def _fused_step_refusal(target: TargetModel) -> str | None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from flashdraft.distributed.parallelize import DecodingCompile, compile_for_decoding
+from flashdraft.distributed.parallelize import DecodingCompile, compile_for_decoding, compiled_engine_function
 from flashdraft.generate import linear_state
 from flashdraft.generate.kv_cache import StaticKVCache, step_masks
 from flashdraft.generate.sampling import (
@@ -113,6 +113,53 @@ class _Row:
     prefill_seconds: float = 0.0
 
 
+def greedy_acceptance(logits: Tensor, block_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy verification of every row's block `block_ids` [rows, B] (anchor, then B-1 drafts) against
+    the target's `logits` [rows, B, V]: the tokens each row would commit (the target's after each block
+    position) and how many, the accepted drafts (those equal to the target's token) and the bonus."""
+    committed = logits.argmax(-1)
+    produced = torch.ones(block_ids.shape[0], dtype=torch.long, device=block_ids.device)
+    if block_ids.shape[1] > 1:
+        produced = produced + (block_ids[:, 1:] == committed[:, :-1]).long().cumprod(-1).sum(-1)
+    return committed, produced
+
+
+def settle(
+    committed: Tensor,
+    produced: Tensor,
+    active: Tensor,
+    count: Tensor,
+    start: Tensor,
+    anchor: Tensor,
+    out: Tensor,
+    last_produced: Tensor,
+    stop_ids: Tensor,
+    offsets: Tensor,
+    max_new: int,
+) -> None:
+    """Every row's step settled in place: of the `produced` first tokens of `committed` [rows, B], those up
+    to the row's first stop token and within its token budget are kept (an idle row keeps none) and
+    written to `out` at the row's count; the row's anchor, position (`start`), count, `active` and
+    `last_produced` advance."""
+    block = committed.shape[1]
+    in_reach = offsets[None, :] < produced[:, None]
+    stop_hit = (committed[:, :, None] == stop_ids).any(-1) & in_reach
+    first_stop = torch.where(stop_hit, offsets[None, :], block).min(-1).values
+    produced = torch.minimum(produced, first_stop + 1)
+    produced = torch.minimum(produced, max_new - count)
+    produced = torch.where(active, produced, 0)
+    write = offsets[None, :] < produced[:, None]
+    columns = torch.where(write, count[:, None] + offsets, max_new)
+    out.scatter_(1, columns, committed)
+    last = committed.gather(1, (produced - 1).clamp(min=0)[:, None])[:, 0]
+    anchor.copy_(torch.where(produced > 0, last, anchor))
+    start += produced
+    count += produced
+    stopped = (stop_hit & write).any(-1)
+    active &= ~(stopped | (count >= max_new))
+    last_produced.copy_(produced)
+
+
 class FastEngine:
     """`generate(prompts, seeds)`: speculative decoding (plain with block size 1) of many prompts, `rows`
     at a time, greedy or sampled; every output and every acceptance length equals the eager loop's
@@ -166,6 +213,10 @@ class FastEngine:
             compiled = compile_for_decoding(target, drafter)
             self.compiled = None if compiled.refusal else compiled
             self.compile_note = f"eager model code: {compiled.refusal}" if compiled.refusal else None
+        # the step's tail: compiled with the model code (two graphs, where eager it is some thirty kernels)
+        self.greedy_acceptance, self.settle = greedy_acceptance, settle
+        if self.compiled is not None:
+            self.greedy_acceptance, self.settle = map(compiled_engine_function, (greedy_acceptance, settle))
         self.cache_argument = target._cache_kwarg
         sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
         self.window: int | None = int(target.config.sliding_window) if sliding else None
@@ -296,30 +347,24 @@ class FastEngine:
         if self.sampled:
             committed, produced = self._sampled_accept(logits, block_ids, draft_probs, proposed)
         else:
-            committed = logits.argmax(-1)  # the target's token after each block position
-            produced = torch.ones(rows, dtype=torch.long, device=self.device)
-            if block > 1:  # the accepted drafts equal the target's tokens; the bonus follows them
-                produced += (block_ids[:, 1:] == committed[:, :-1]).long().cumprod(-1).sum(-1)
-        in_reach = self.offsets[None, :] < produced[:, None]
-        stop_hit = (committed[:, :, None] == self.stop_ids).any(-1) & in_reach
-        first_stop = torch.where(stop_hit, self.offsets[None, :], block).min(-1).values
-        produced = torch.minimum(produced, first_stop + 1)
-        produced = torch.minimum(produced, self.max_new - self.count)
-        produced = torch.where(self.active, produced, 0)
-        if self.mixers and block > 1:  # each row's linear states: its committed tokens' (an idle row's: kept)
-            self.kv.commit(produced)
-        write = self.offsets[None, :] < produced[:, None]
-        columns = torch.where(write, self.count[:, None] + self.offsets, self.max_new)
-        self.out.scatter_(1, columns, committed)
+            committed, produced = self.greedy_acceptance(logits, block_ids)
         if block > 1:  # the verified positions' features: the context of the rows' next blocks
             self._context(features, positions)
-        last = committed.gather(1, (produced - 1).clamp(min=0)[:, None])[:, 0]
-        self.anchor.copy_(torch.where(produced > 0, last, self.anchor))
-        self.start += produced
-        self.count += produced
-        stopped = (stop_hit & write).any(-1)
-        self.active &= ~(stopped | (self.count >= self.max_new))
-        self.produced.copy_(produced)
+        self.settle(
+            committed,
+            produced,
+            self.active,
+            self.count,
+            self.start,
+            self.anchor,
+            self.out,
+            self.produced,
+            self.stop_ids,
+            self.offsets,
+            self.max_new,
+        )
+        if self.mixers and block > 1:  # each row's linear states: its committed tokens' (an idle row's: kept)
+            self.kv.commit(self.produced)
 
     def _verify(
         self, block_ids: Tensor, positions: Tensor, visible: int, *, model_forward: bool = False
@@ -407,6 +452,7 @@ class FastEngine:
                     raise
                 self.compiled.undo()
                 self.compiled, self.kv.layer_views = None, False
+                self.greedy_acceptance, self.settle = greedy_acceptance, settle
                 self.compile_note = f"compile failed, eager model code: {_first_line(exc)}"
                 self._step(widths[0])
         if side is not None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flashdraft.distributed import parallelize
+from flashdraft.generate import fast as fast_engine
 from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.kv_cache import LayerKV
 from flashdraft.generate.speculative import generate
@@ -75,11 +76,13 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     assert _graphs(parallelize._run_fused_decoding_layer) == _graphs(parallelize._run_decoding_layer) == 0
     assert _graphs(parallelize._run_drafter) == 1
     assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
+    assert _graphs(fast_engine.greedy_acceptance) == _graphs(fast_engine.settle) == 1  # the step's tail
 
     plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
     runs = plain.generate(prompts)
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
     assert _graphs(fused_decoder.fused_layer_step) == 2  # one query a row: a graph of its own
+    assert _graphs(fast_engine.settle) == 2
 
 
 def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_forward_decodes(

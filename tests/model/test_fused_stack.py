@@ -100,7 +100,9 @@ def test_the_stack_computes_the_model_forward(family, queries):
     torch.testing.assert_close(logits, reference.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stacked, features, rtol=1e-5, atol=1e-5)
     assert stack_difference((reference.logits, features), (logits, stacked)) < STACK_TOLERANCE / 1000
-    for ours, theirs in zip(caches[1].keys + caches[1].values, caches[0].keys + caches[0].values, strict=True):
+    for ours, theirs in zip(
+        caches[1].keys + caches[1].values, caches[0].keys + caches[0].values, strict=True
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
