@@ -63,6 +63,10 @@ from flashdraft.model.fused_stack import STACK_TOLERANCE, stack_difference
 from flashdraft.model.target import TargetModel
 
 _GPU_BUCKET = 64  # attended widths round up to this on a GPU (one CUDA graph per bucket)
+# steps run between two looks of the host on a GPU, where each look costs an idle GPU: the step's sync,
+# the copy back, the host's bookkeeping and the next launch (a third of a small model's step)
+_GPU_SYNC_EVERY = 8
+_MAX_SYNC_EVERY = 64
 _CPU_BUCKET = 16
 
 
@@ -132,15 +136,17 @@ def settle(
     start: Tensor,
     anchor: Tensor,
     out: Tensor,
-    last_produced: Tensor,
     stop_ids: Tensor,
     offsets: Tensor,
     max_new: int,
-) -> None:
+    report: Tensor,
+    step_index: Tensor,
+) -> Tensor:
     """Every row's step settled in place: of the `produced` first tokens of `committed` [rows, B], those up
     to the row's first stop token and within its token budget are kept (an idle row keeps none) and
-    written to `out` at the row's count; the row's anchor, position (`start`), count, `active` and
-    `last_produced` advance."""
+    written to `out` at the row's count; the row's anchor, position (`start`), count and `active` advance.
+    The kept counts go to `report`'s row `step_index` (which advances) and the rows' activity to its last
+    row, for the host to read after a run of steps; returns the kept counts."""
     block = committed.shape[1]
     in_reach = offsets[None, :] < produced[:, None]
     stop_hit = (committed[:, :, None] == stop_ids).any(-1) & in_reach
@@ -157,7 +163,10 @@ def settle(
     count += produced
     stopped = (stop_hit & write).any(-1)
     active &= ~(stopped | (count >= max_new))
-    last_produced.copy_(produced)
+    report.index_copy_(0, (step_index % (report.shape[0] - 1)).view(1), produced[None])
+    report[-1] = active.long()
+    step_index += 1
+    return produced
 
 
 class FastEngine:
@@ -181,8 +190,11 @@ class FastEngine:
         top_p: float = 1.0,
         top_k: int = 0,
         draft_sampling: str = "sample",
+        sync_every: int | None = None,
     ):
         check_sampling(temperature, top_p, top_k)
+        if sync_every is not None and not 1 <= sync_every <= _MAX_SYNC_EVERY:
+            raise ValueError(f"sync_every {sync_every}: expected 1 to {_MAX_SYNC_EVERY}")
         if draft_sampling not in ("sample", "argmax"):
             raise ValueError(f"draft_sampling {draft_sampling!r}: expected 'sample' or 'argmax'")
         reason = unsupported_reason(target, drafter, temperature)
@@ -201,6 +213,7 @@ class FastEngine:
         on_gpu = self.device.type == "cuda"
         self.cuda_graphs = on_gpu if cuda_graphs is None else cuda_graphs
         self.bucket = bucket or (_GPU_BUCKET if on_gpu else _CPU_BUCKET)
+        self.sync_every = sync_every or (_GPU_SYNC_EVERY if self.cuda_graphs else 1)
         self.graph_failure: str | None = None
         self.stack_difference: float | None = (
             None  # the fused stack against the model forward (`_check_stack`)
@@ -250,7 +263,9 @@ class FastEngine:
         self.start = torch.zeros(rows, dtype=torch.long, device=device)  # the anchor's position
         self.count = torch.zeros(rows, dtype=torch.long, device=device)  # tokens generated so far
         self.active = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.produced = torch.zeros(rows, dtype=torch.long, device=device)  # committed by the last step
+        # what the host reads after a run of steps: each step's committed counts, then the rows' activity
+        self.report = torch.zeros(_MAX_SYNC_EVERY + 1, rows, dtype=torch.long, device=device)
+        self.step_index = torch.zeros((), dtype=torch.long, device=device)  # the run's step, its report row
         self.out = torch.zeros(rows, self.max_new + 1, dtype=torch.long, device=device)  # last: discard
         self.stop_ids = torch.tensor(self.stops or [-1], dtype=torch.long, device=device)
         self.offsets = torch.arange(block, device=device)
@@ -350,7 +365,7 @@ class FastEngine:
             committed, produced = self.greedy_acceptance(logits, block_ids)
         if block > 1:  # the verified positions' features: the context of the rows' next blocks
             self._context(features, positions)
-        self.settle(
+        produced = self.settle(
             committed,
             produced,
             self.active,
@@ -358,13 +373,14 @@ class FastEngine:
             self.start,
             self.anchor,
             self.out,
-            self.produced,
             self.stop_ids,
             self.offsets,
             self.max_new,
+            self.report,
+            self.step_index,
         )
         if self.mixers and block > 1:  # each row's linear states: its committed tokens' (an idle row's: kept)
-            self.kv.commit(self.produced)
+            self.kv.commit(produced)
 
     def _verify(
         self, block_ids: Tensor, positions: Tensor, visible: int, *, model_forward: bool = False
@@ -591,19 +607,28 @@ class FastEngine:
 
         fill()
         while in_flight:
-            visible = self._visible(max(starts[row] for row in in_flight) + self.block)
+            # steps before the host looks again: no more than any row's token budget surely lasts (a row
+            # commits at most a block a step), so that only a stop token leaves a row idle till the look
+            budgets = [self.max_new - (starts[r] - in_flight[r].prompt_len + 1) for r in in_flight]
+            steps = max(1, min(self.sync_every, -(-min(budgets) // self.block)))
+            furthest = max(starts[row] for row in in_flight)
+            self.step_index.zero_()
             began = time.perf_counter()
-            self._run_step(visible)
-            produced = self.produced.tolist()  # the one host sync of a step: the stop check
-            active = self.active.tolist()
+            for step in range(steps):  # each step's width: for rows that commit a whole block every step
+                self._run_step(self._visible(furthest + (step + 1) * self.block))
+            report = self.report.tolist()  # the one host sync of `steps` steps: the stop check
             seconds = time.perf_counter() - began
-            self.timing["steps"] += 1
+            self.timing["steps"] += steps
             self.timing["decode_s"] += seconds
-            for row, state in list(in_flight.items()):
-                state.accepted.append(produced[row])
-                state.decode_seconds += seconds / len(in_flight)
-                starts[row] += produced[row]
-            for row in [row for row in in_flight if not active[row]]:
+            for produced in report[:steps]:  # each step's time shared by the rows decoding in it
+                decoding = [row for row in in_flight if produced[row] > 0] or list(in_flight)
+                for row in decoding:
+                    state = in_flight[row]
+                    if produced[row] > 0:
+                        state.accepted.append(produced[row])
+                    state.decode_seconds += seconds / steps / len(decoding)
+                    starts[row] += produced[row]
+            for row in [row for row in in_flight if not report[-1][row]]:
                 finish(row)
             fill()
         return [r for r in results if r is not None]
@@ -622,6 +647,7 @@ class FastEngine:
             "fused_stack": self.compiled is not None and self.compiled.stack is not None,
             "stack_difference": self.stack_difference,
             "kv_bucket": self.bucket,
+            "sync_every": self.sync_every,
             "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
         }

@@ -97,6 +97,28 @@ def test_rows_stop_on_their_own_stop_token(pair, prompts, eager):
     assert [run.accepted for run in fast] == [run.accepted for run in reference]
 
 
+@pytest.mark.parametrize("drafted", [True, False])
+def test_runs_of_steps_between_looks_decode_what_a_look_every_step_decodes(pair, prompts, drafted):
+    """`sync_every`: the host reads the rows' counts after a run of steps (a GPU's default), each step's
+    width the widest the rows could need. Rows that meet a stop token in a run sit idle till its end and
+    are refilled then: every prompt's tokens and per-step acceptance stay those of a look every step,
+    and each row's decode seconds still add up to the decode time."""
+    target, drafter = pair
+    drafter = drafter if drafted else None
+    reference = [generate(target, drafter, p, NEW) for p in prompts]
+    stops = [reference[0].tokens[9], reference[1].tokens[4]]
+    reference = [generate(target, drafter, p, NEW, stop_token_ids=stops) for p in prompts]
+    assert {len(run.tokens) for run in reference} != {NEW}  # some rows do stop early, inside a run
+    engine = FastEngine(target, drafter, NEW, stop_token_ids=stops, rows=3, sync_every=5)
+    runs = engine.generate(prompts)
+    assert [run.tokens for run in runs] == [run.tokens for run in reference]
+    assert [run.accepted for run in runs] == [run.accepted for run in reference]
+    assert engine.describe()["sync_every"] == 5
+    assert sum(run.decode_seconds for run in runs) == pytest.approx(engine.timing["decode_s"])
+    with pytest.raises(ValueError, match="sync_every 0"):
+        FastEngine(target, drafter, NEW, sync_every=0)
+
+
 def test_fast_engine_equals_zlab_dflash_generate(pair, prompts, trained, monkeypatch):
     zlab = pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # z-lab times itself with CUDA syncs
