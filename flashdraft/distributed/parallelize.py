@@ -403,6 +403,8 @@ class FusedDecoding:
 
     projections: list[FusedProjections]
     refusal: str | None = None
+    # the fused stack's check (generate/fast.py::FastEngine._check_stack), made once for the target
+    stack_difference: float | None = None
 
 
 class CompiledLayerForward:

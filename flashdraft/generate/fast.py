@@ -59,7 +59,8 @@ from flashdraft.generate.sampling import (
 from flashdraft.generate.speculative import Generation
 from flashdraft.model.attention import decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.model.fused_stack import STACK_TOLERANCE, stack_difference
+from flashdraft.model.fused_decoder import FusedProjections
+from flashdraft.model.fused_stack import STACK_TOLERANCE, FusedStack, stack_difference, stack_twin
 from flashdraft.model.target import TargetModel
 
 _GPU_BUCKET = 64  # attended widths round up to this on a GPU (one CUDA graph per bucket)
@@ -382,18 +383,14 @@ class FastEngine:
         if self.mixers and block > 1:  # each row's linear states: its committed tokens' (an idle row's: kept)
             self.kv.commit(produced)
 
-    def _verify(
-        self, block_ids: Tensor, positions: Tensor, visible: int, *, model_forward: bool = False
-    ) -> tuple[Tensor, Tensor]:
+    def _verify(self, block_ids: Tensor, positions: Tensor, visible: int) -> tuple[Tensor, Tensor]:
         """The target's logits and features of every row's block at `positions`, its keys written at their
-        columns: through the fused stack where the step has one (`model_forward`: through the model's
-        forward all the same), else through the model's forward."""
+        columns: through the fused stack where the step has one, else through the model's forward."""
         mask = self._masks(self.column_index[:visible], positions)
         self.kv.columns.copy_(positions)
         self.kv.visible = visible
-        stack = self.compiled.stack if self.compiled is not None else None
-        if stack is not None and not model_forward:
-            return stack.step(block_ids, positions, mask, self.kv)
+        if self.compiled is not None and self.compiled.stack is not None:
+            return self.compiled.stack.step(block_ids, positions, mask, self.kv)
         rollback = bool(self.mixers) and self.block > 1  # linear states: kept as they were until `commit`
         with self.kv.verifying() if rollback else nullcontext():
             output, features = self.target._run_with_capture(
@@ -406,25 +403,56 @@ class FastEngine:
             )
         return output.logits, features
 
-    def _check_stack(self, visible: int) -> None:
-        """The fused stack's step against the model's own forward, eager, on the rows as they are (idle,
-        before the first step: the keys each writes are the other's), so that a model forward doing more than the
-        stack's loop is caught before it decodes anything; a difference past `STACK_TOLERANCE` sends the
-        steps through the model's forward, and the engine's record says why."""
+    def _check_stack(self) -> None:
+        """The fused stack's step against the model's own forward (transformers' layers, eager) on an fp32
+        copy of the target's first two layers (`stack_twin`), random tokens at random positions over a
+        cache of random keys, so that a model forward doing more than the stack's loop is caught before
+        it decodes anything; a difference past `STACK_TOLERANCE` sends the steps through the model's
+        forward, and the engine's record says why."""
         if self.compiled is None or self.compiled.stack is None:
             return
-        ids = self.anchor[:, None].expand(self.rows, self.block).clone()  # as a step's: contiguous
-        positions = self.start[:, None] + self.offsets
-        self.kv.layer_views = False  # the reference: transformers' own layers, eager
-        try:
-            reference = self._verify(ids, positions, visible, model_forward=True)
-        finally:
-            self.kv.layer_views = True
-        self.stack_difference = stack_difference(reference, self._verify(ids, positions, visible))
+        known = self.compiled.fused.stack_difference  # the target's, checked by an engine before
+        self.stack_difference = known if known is not None else self._stack_difference()
+        self.compiled.fused.stack_difference = self.stack_difference
         if self.stack_difference > STACK_TOLERANCE:
             self.compiled.refuse_stack(
-                f"its fused stack differed from its model forward by {self.stack_difference:.3g} (relative)"
+                f"its fused stack differed from its model forward by {self.stack_difference:.3g} "
+                "(relative, fp32)"
             )
+
+    def _stack_difference(self) -> float:
+        twin = stack_twin(self.target)
+        g = torch.Generator(device=self.device).manual_seed(0)
+        rows, width, queries = 2, 16, self.block
+        positions = torch.tensor([[3], [width - queries - 1]], device=self.device) + self.offsets
+        ids = torch.randint(0, twin.vocab_size, positions.shape, generator=g, device=self.device)
+        masks = step_masks(torch.arange(width, device=self.device), positions, self.window)
+        caches = []
+        for views in (False, True):  # the same random keys in both
+            cache = StaticKVCache(
+                twin.model.config, rows, width, torch.float32, self.device, queries, layer_views=views
+            )
+            g.manual_seed(1)
+            for buffer in [*cache.keys, *cache.values]:
+                buffer.copy_(torch.randn(buffer.shape, generator=g, device=self.device))
+            cache.columns.copy_(positions)
+            caches.append(cache)
+        stack = FusedStack(twin, [FusedProjections(layer) for layer in twin.layers])
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # no TF32: fp32 rounding only
+        try:
+            reference = twin._run_with_capture(
+                stop_early=False,
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=masks,
+                use_cache=True,
+                **{self.cache_argument: caches[0]},
+            )
+            stacked = stack.step(ids, positions, masks, caches[1])
+        finally:
+            torch.set_float32_matmul_precision(precision)
+        return stack_difference((reference[0].logits, reference[1]), stacked)
 
     def _sampled_accept(
         self, logits: Tensor, block_ids: Tensor, draft_probs: Tensor | None, proposed: Tensor
@@ -460,7 +488,7 @@ class FastEngine:
         with torch.cuda.stream(side) if side is not None else nullcontext():
             warm_widths = (widths[0], widths[0], widths[-1]) if self.compiled is not None else (widths[0],)
             try:
-                self._check_stack(widths[0])
+                self._check_stack()
                 for visible in warm_widths:
                     self._step(visible)
             except Exception as exc:

@@ -52,7 +52,7 @@ def test_cuda_graphs_replay_what_eager_steps_compute(pair, rows, speculative):
     record = graphs.describe()
     assert record["cuda_graphs"], record.get("cuda_graphs_failed")
     assert record["compiled"] and record["fused_layers"], record.get("compile_note")  # inside the graphs
-    assert record["fused_stack"] and record["stack_difference"] < 0.02, record  # bf16 rounding alone
+    assert record["fused_stack"] and record["stack_difference"] < 1e-4, record  # fp32 rounding alone
     assert record["graphs_captured"] >= 2  # prompts of 5-90 tokens + 48 new: several width buckets
     stepped = FastEngine(target, drafter, NEW, rows=rows, cuda_graphs=False).generate(prompts)
     assert [r.tokens for r in replayed] == [r.tokens for r in stepped]
