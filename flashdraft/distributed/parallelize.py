@@ -626,8 +626,9 @@ def compile_for_decoding(target: TargetModel, drafter: DFlashDraftModel | None) 
     (`CompiledLayerForward`), as the fused step where the layer takes one (`FusedDecoding`), and the
     drafter's block forward and context projection, whole. A step of a small model is bound by its kernel
     count (about 43 eager kernels a decoder layer: RMSNorm, RoPE and SiLU·mul are several each); inductor
-    fuses the element-wise ones around each GEMM, the fused step halves the GEMMs' count. The prefill, the
-    embedding, the LM head and the acceptance stay eager. Refused, with the reason, where the target's
+    fuses the element-wise ones around each GEMM, the fused step halves the GEMMs' count, and the fused
+    stack (model/fused_stack.py) takes the embedding, the masks, the final norm and the LM head into
+    its graphs too. The prefill stays eager. Refused, with the reason, where the target's
     layers are not traced here (`target_compile_refusal`)."""
     refusal = target_compile_refusal(target)
     if refusal is not None:

@@ -17,11 +17,13 @@ every step. This engine keeps the same algorithm and changes only where the stat
 - rows are ragged: each has its own committed length, accepts its own count per step, finishes on its
   own, and is refilled with the next prompt at once (`generate` over many prompts);
 - acceptance, the stop check, the output writes and the next anchor are computed on the device; the host
-  reads one small tensor per step (how many tokens each row committed), which is the stop check;
+  reads one small tensor per run of steps (how many tokens each row committed in each, and which rows
+  still decode: the stop check), `sync_every` steps on a GPU, every step on the CPU;
 - on a GPU one step (draft forward, verify forward, acceptance) is captured in a CUDA graph per attended
   width bucket and replayed, the step's model code compiled first (`compile_for_decoding`: the target's
-  decoder layers, the drafter's block forward and context projection; docs/decoding.md, "Compiled
-  steps"); on the CPU, or when capture fails, the same step runs eagerly.
+  decoder layers, fused and run as one loop where they can be, the drafter's block forward and context
+  projection, the acceptance; docs/decoding.md, "Compiled steps"); on the CPU, or when capture fails,
+  the same step runs eagerly.
 
 Block size 1 skips the drafter: plain decoding through the same engine, the speedup's baseline.
 Sampled decoding follows the eager loop draw for draw: each row has its own `torch.Generator`, seeded
