@@ -218,9 +218,8 @@ class FastEngine:
         self.bucket = bucket or (_GPU_BUCKET if on_gpu else _CPU_BUCKET)
         self.sync_every = sync_every or (_GPU_SYNC_EVERY if self.cuda_graphs else 1)
         self.graph_failure: str | None = None
-        self.stack_difference: float | None = (
-            None  # the fused stack against the model forward (`_check_stack`)
-        )
+        # the fused stack against the model forward (`_check_stack`)
+        self.stack_difference: float | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # the step's model code compiled (docs/decoding.md, "Compiled steps"): by default where graphs are
         self.compiled: DecodingCompile | None = None
@@ -414,7 +413,11 @@ class FastEngine:
         if self.compiled is None or self.compiled.stack is None:
             return
         known = self.compiled.fused.stack_difference  # the target's, checked by an engine before
-        self.stack_difference = known if known is not None else self._stack_difference()
+        try:
+            self.stack_difference = known if known is not None else self._stack_difference()
+        except Exception as exc:  # a loop the check cannot run is one it has not proven
+            self.compiled.refuse_stack(f"its fused stack could not be checked: {_first_line(exc)}")
+            return
         self.compiled.fused.stack_difference = self.stack_difference
         if self.stack_difference > STACK_TOLERANCE:
             self.compiled.refuse_stack(

@@ -130,6 +130,22 @@ def test_a_stack_that_differs_from_the_model_forward_is_refused_and_the_model_fo
     assert [run.tokens for run in runs] == [generate(target, drafter, p, NEW).tokens for p in prompts[:3]]
 
 
+def test_a_stack_check_that_cannot_run_refuses_the_stack_alone(trained, prompts, monkeypatch):
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+
+    def uncopyable(target, layers=2):
+        raise RuntimeError("cannot deep-copy this model")
+
+    monkeypatch.setattr(fast_engine, "stack_twin", uncopyable)
+    engine = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
+    runs = engine.generate(prompts[:2])
+    record = engine.describe()
+    assert record["compiled"] and record["fused_layers"] and not record["fused_stack"], record
+    assert "its fused stack could not be checked: RuntimeError: cannot deep-copy" in record["compile_note"]
+    assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts[:2]]
+
+
 def test_a_compile_that_fails_leaves_eager_model_code_and_says_why(pair, prompts, monkeypatch):
     target, drafter = pair
 
