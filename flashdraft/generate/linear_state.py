@@ -149,6 +149,15 @@ class StaticHybridCache(StaticKVCache):
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """transformers 5.25: how many intermediate recurrent states a chunked forward should return for
+        a rollback. None: this cache rolls a verify back by its own replay (`commit`)."""
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        """transformers 5.25 counts a linear layer's tokens through this; positions here are always
+        passed explicitly (`get_seq_length` is 0), so there is nothing to count."""
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor | None:
         _first_state_only(state_idx)
         return None if self._prefill is not None else self.conv[layer_idx]

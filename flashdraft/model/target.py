@@ -307,6 +307,7 @@ class DecodingCache:
                     "not know how to roll back after a rejected draft; evaluate this target with SGLang or vLLM"
                 )
         self._saved: dict[int, tuple[dict[int, Tensor], ...]] = {}  # conv, recurrent states by slot
+        self._counted: dict[int, Tensor] = {}  # linear layers' token counts (transformers 5.25)
         self._inputs: dict[int, tuple[tuple, dict]] = {}
         self._length = 0  # positions in the last forward
         self._prefilled = False  # the first forward (the prompt) is always kept whole
@@ -319,6 +320,7 @@ class DecodingCache:
     def recording(self, length: int) -> Iterator[None]:
         """Around a forward over `length` new positions: keep what a rollback of them needs."""
         self._saved, self._inputs, self._length = {}, {}, length
+        self._counted: dict[int, Tensor] = {}
         if not self._mixers or length == 1 or not self._prefilled:
             yield  # nothing to roll back: the prompt and a single position are always kept
             return
@@ -329,6 +331,10 @@ class DecodingCache:
                 {slot: state.clone() for slot, state in states.items() if state is not None}
                 for states in (layer.conv_states, layer.recurrent_states)
             )
+            # transformers 5.25 counts a linear layer's tokens (its get_seq_length); the replay recounts
+            counted = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(counted, Tensor):
+                self._counted[index] = counted.clone()
 
             def record(_module, args, kwargs, index=index):
                 self._inputs[index] = (args, kwargs)
@@ -356,6 +362,8 @@ class DecodingCache:
                 for states, saved in ((layer.conv_states, conv), (layer.recurrent_states, recurrent)):
                     for slot, state in saved.items():
                         states[slot].copy_(state)
+                if index in self._counted:
+                    layer.cumulative_length_linear.copy_(self._counted[index])
                 if kept:
                     args, kwargs = self._inputs[index]
                     self._mixers[index](
