@@ -23,7 +23,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,12 +39,14 @@ from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.fused_decoder import (
     STEP_TOLERANCE,
     FusedProjections,
+    StepKernels,
     checked_difference,
     fused_decoder_step,
     fused_layer_step,
     fusion_refusal,
 )
 from flashdraft.model.fused_stack import FusedStack, stack_epilogue, stack_prologue, stack_refusal
+from flashdraft.model.split_attention import triton
 from flashdraft.model.target import CACHE_PARAMETERS, TargetModel
 
 # A batch's context (its padded length) changes from step to step. Compiled with every input static, a
@@ -403,6 +405,8 @@ class FusedDecoding:
 
     projections: list[FusedProjections]
     refusal: str | None = None
+    # why the steps compute with PyTorch's kernels where `step_kernels` chose others (their check failed)
+    kernels_note: str | None = None
     # the fused stack's check (generate/fast.py::FastEngine._check_stack), made once for the target
     stack_difference: float | None = None
 
@@ -514,9 +518,14 @@ class DecodingCompile:
         refusal = self.fused.refusal if self.fused is not None else "not fused"
         if refusal is not None:
             return f"decoder layers on their own forward: {refusal}"
+        notes = [self.fused.kernels_note]
         if self.stack is None:
-            return f"step through the model's forward: {self.stack_refusal or 'not stacked'}"
-        return None
+            notes.append(f"step through the model's forward: {self.stack_refusal or 'not stacked'}")
+        return "; ".join(filter(None, notes)) or None
+
+    def step_kernels(self) -> dict | None:
+        """The fused steps' `StepKernels` as a record, or None where the layers are not fused."""
+        return asdict(self.fused.projections[0].kernels) if self.layers_fused() else None
 
     def refuse_stack(self, reason: str) -> None:
         """The step goes through the model's forward from now on (the layers stay fused), for `reason`."""
@@ -591,10 +600,18 @@ def compiled_engine_function(function: Callable) -> Any:
     return torch.compile(function, fullgraph=True)
 
 
-def _fused_step_refusal(target: TargetModel) -> str | None:
+def step_kernels(target: TargetModel) -> StepKernels:
+    """The kernels a compiled fused step computes with on the target's device: on a CUDA GPU, split
+    attention (with Triton) and the one-token projections as reductions; on the CPU, PyTorch's own
+    (docs/decoding.md, "Split attention")."""
+    on_gpu = target.device.type == "cuda"
+    return StepKernels(split_attention=on_gpu and triton is not None, row_gemv=on_gpu)
+
+
+def _fused_step_refusal(target: TargetModel, kernels: StepKernels) -> str | None:
     """Why the fused step is not the first layer's own forward (`checked_difference`), or None."""
     try:
-        difference = checked_difference(target.layers[0])
+        difference = checked_difference(target.layers[0], kernels)
     except Exception as exc:  # a layer the check cannot run is one the fused step is not proven on
         return f"its fused step could not be checked: {type(exc).__name__}: {str(exc).splitlines()[0]}"
     if difference > STEP_TOLERANCE:
@@ -609,12 +626,17 @@ def _fused_decoding(target: TargetModel) -> FusedDecoding:
     if made is not None:
         return made
     refusal = next(filter(None, (fusion_refusal(layer) for layer in target.layers)), None)
+    kernels, kernels_note = step_kernels(target), None
     if refusal is None:
-        refusal = _fused_step_refusal(target)
+        refusal = _fused_step_refusal(target, kernels)
+        if refusal is not None and kernels != StepKernels():  # PyTorch's kernels before no fused step
+            kernels, kernels_note = StepKernels(), f"PyTorch's kernels: with {kernels}, {refusal}"
+            refusal = _fused_step_refusal(target, kernels)
     if refusal is not None:
         fused = FusedDecoding([], refusal=refusal)
     else:
-        fused = FusedDecoding([FusedProjections(layer) for layer in target.layers])
+        projections = [FusedProjections(layer, kernels) for layer in target.layers]
+        fused = FusedDecoding(projections, kernels_note=kernels_note)
     for index in range(len(target.layers)):
         _layer_forward(target, index).fused = fused
     return fused

@@ -442,7 +442,8 @@ class FastEngine:
                 buffer.copy_(torch.randn(buffer.shape, generator=g, device=self.device))
             cache.columns.copy_(positions)
             caches.append(cache)
-        stack = FusedStack(twin, [FusedProjections(layer) for layer in twin.layers])
+        kernels = self.compiled.stack.projections[0].kernels  # the check computes as the steps do
+        stack = FusedStack(twin, [FusedProjections(layer, kernels) for layer in twin.layers])
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")  # no TF32: fp32 rounding only
         try:
@@ -679,6 +680,7 @@ class FastEngine:
             "fused_layers": self.compiled is not None and self.compiled.layers_fused(),
             "fused_stack": self.compiled is not None and self.compiled.stack is not None,
             "stack_difference": self.stack_difference,
+            "step_kernels": self.compiled.step_kernels() if self.compiled is not None else None,
             "kv_bucket": self.bucket,
             "sync_every": self.sync_every,
             "linear_attention_layers": len(self.mixers),

@@ -19,11 +19,13 @@ import copy
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flashdraft.model.split_attention import split_attention, split_attention_refusal
 from flashdraft.model.target import CACHE_PARAMETERS
 
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -47,7 +49,7 @@ def grouped_query_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     grouped = query.reshape(rows, kv_heads, groups * queries, dim)
-    if mask.dtype == torch.bool:
+    if mask.shape[2] != groups * queries:  # a token's row of the mask for each of its query heads
         mask = _grouped_rows(mask, groups)
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(rows, heads, queries, value.shape[-1]).transpose(1, 2)
@@ -66,8 +68,28 @@ def grouped_attention_bias(mask: Tensor, groups: int, dtype: torch.dtype) -> Ten
     """`mask` [b, 1, queries, cols] bool as the additive mask of `grouped_query_attention`'s rows, made once
     a step for every layer: given the bool mask, each layer's attention converts it (and pads it) again, a
     kernel a layer; given this, none (a contiguous input, aligned where the width is a multiple of 8)."""
-    blocked = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-    return _grouped_rows(blocked, groups).contiguous()
+    return _grouped_rows(additive_mask(mask, dtype), groups).contiguous()
+
+
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True: attend) as the additive one (0 or -inf) in `dtype`; an additive one as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    """How a fused step computes what it computes, chosen for the device in one place
+    (distributed/parallelize.py::step_kernels); off, the step is plain PyTorch (F.linear, SDPA)."""
+
+    # attention through model/split_attention.py's Triton kernels: the cache's columns over many thread
+    # blocks, where SDPA walks them in one per KV head (a call it cannot take goes to SDPA)
+    split_attention: bool = False
+    # a step of one token's projections as a reduction over the input dimension, compiled (inductor
+    # makes one kernel of it, about twice as fast as cuBLAS's GEMM at one row on the H200); eager or at
+    # more rows, F.linear
+    row_gemv: bool = False
 
 
 def _plain_linear(module: object) -> bool:
@@ -133,11 +155,12 @@ def _bias_or_zeros(linear: nn.Linear) -> Tensor:
 
 class FusedProjections(nn.Module):
     """A layer's q/k/v weights as one matrix and its gate/up weights as another (buffers: a compiled
-    step takes them as graph inputs, so every layer of a kind shares one graph). Built from the layer,
-    whose linear weights then view these."""
+    step takes them as graph inputs, so every layer of a kind shares one graph), and the `StepKernels` its
+    step computes with. Built from the layer, whose linear weights then view these."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, kernels: StepKernels = StepKernels()):
         super().__init__()
+        self.kernels = kernels
         attention, mlp = layer.self_attn, layer.mlp
         qkv = [attention.q_proj, attention.k_proj, attention.v_proj]
         self.qkv_splits = [linear.out_features for linear in qkv]
@@ -146,6 +169,29 @@ class FusedProjections(nn.Module):
             self.register_buffer(f"{name}_bias", bias, persistent=False)
         self.head_norms = hasattr(attention, "q_norm")
         self.rotary = _rotary_function(attention)
+
+
+def _projection(x: Tensor, weight: Tensor, bias: Tensor | None, fused: FusedProjections) -> Tensor:
+    """`F.linear(x, weight, bias)`; for one token, compiled, as `StepKernels.row_gemv`'s reduction (fp32
+    sums, as cuBLAS's)."""
+    if not (fused.kernels.row_gemv and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1):
+        return F.linear(x, weight, bias)
+    out = (x.reshape(1, 1, -1).float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _attention(
+    fused: FusedProjections, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float
+) -> Tensor:
+    """[b, queries, heads, dv]: split over the cache's columns where the step's kernels say so and the call
+    allows it, else through SDPA (`grouped_query_attention`)."""
+    if fused.kernels.split_attention:
+        bias = additive_mask(mask, query.dtype)
+        if split_attention_refusal(query, keys, bias) is None:
+            return split_attention(query, keys, values, bias, scaling)
+    return grouped_query_attention(query, keys, values, mask, scaling)
 
 
 def _attention_block(
@@ -160,7 +206,8 @@ def _attention_block(
     attention = layer.self_attn
     x = layer.input_layernorm(hidden_states)
     head_shape = (*x.shape[:-1], -1, attention.head_dim)
-    query, key, value = F.linear(x, fused.qkv_weight, fused.qkv_bias).split(fused.qkv_splits, -1)
+    qkv = _projection(x, fused.qkv_weight, fused.qkv_bias, fused)
+    query, key, value = qkv.split(fused.qkv_splits, -1)
     query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
     if fused.head_norms:
         query, key = attention.q_norm(query), attention.k_norm(key)
@@ -168,16 +215,17 @@ def _attention_block(
     cos, sin = position_embeddings
     query, key = fused.rotary(query, key, cos, sin)
     keys, values = cache.update(key, value)
-    out = grouped_query_attention(query, keys, values, attention_mask, attention.scaling)
-    return hidden_states + attention.o_proj(out.reshape(*x.shape[:-1], -1))
+    out = _attention(fused, query, keys, values, attention_mask, attention.scaling)
+    o_proj = attention.o_proj
+    return hidden_states + _projection(out.reshape(*x.shape[:-1], -1), o_proj.weight, o_proj.bias, fused)
 
 
 def _mlp_block(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
     """The layer's gated MLP output (before its residual add)."""
-    gate, up = F.linear(
-        layer.post_attention_layernorm(hidden), fused.gate_up_weight, fused.gate_up_bias
-    ).chunk(2, -1)
-    return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    normed = layer.post_attention_layernorm(hidden)
+    gate, up = _projection(normed, fused.gate_up_weight, fused.gate_up_bias, fused).chunk(2, -1)
+    down = layer.mlp.down_proj
+    return _projection(layer.mlp.act_fn(gate) * up, down.weight, down.bias, fused)
 
 
 def fused_decoder_step(
@@ -240,13 +288,14 @@ class _ScratchCache:
         return self.keys, self.values
 
 
-def checked_difference(layer: nn.Module) -> float:
-    """`step_difference` of the fused step against the layer's own forward (its cache passed
-    under the name its forward takes one by), both run on an fp32 copy of the layer with random inputs of a step's shapes: hidden
-    states, RoPE tables, a cache of random keys attended whole. Random, not a real step's: a warm-up step
-    sits at position 0 (RoPE is the identity there) and sees one key, which would hide a wrong RoPE or a
-    wrong query-key pairing; fp32, since half-precision rounding would hide a fault the size of a whole
-    attention in a small model. The layer itself is left as it was."""
+def checked_difference(layer: nn.Module, kernels: StepKernels = StepKernels()) -> float:
+    """`step_difference` of the fused step (computing with `kernels`) against the layer's own forward (its
+    cache passed under the name its forward takes one by), both run on an fp32 copy of the layer with
+    random inputs of a step's shapes: hidden states, RoPE tables, a cache of random keys attended whole.
+    Random, not a real step's: a warm-up step sits at position 0 (RoPE is the identity there) and sees
+    one key, which would hide a wrong RoPE or a wrong query-key pairing; fp32, since half-precision
+    rounding would hide a fault the size of a whole attention in a small model. The layer itself is left
+    as it was."""
     cache_name = next(n for n in CACHE_PARAMETERS if n in inspect.signature(type(layer).forward).parameters)
     routing = layer.__dict__.pop("forward", None)  # a routing object installed on the layer stays out
     try:
@@ -254,7 +303,7 @@ def checked_difference(layer: nn.Module) -> float:
     finally:
         if routing is not None:
             layer.forward = routing
-    fused = FusedProjections(twin)
+    fused = FusedProjections(twin, kernels)
     attention = twin.self_attn
     device = attention.o_proj.weight.device
     g = torch.Generator(device=device).manual_seed(0)

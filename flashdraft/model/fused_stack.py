@@ -116,9 +116,12 @@ class FusedStack:
         self.lm_head = target.model.get_output_embeddings()
         self.kinds = layer_kinds(target)
         config = target.config
-        self.groups = config.num_attention_heads // (
+        groups = config.num_attention_heads // (
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         )
+        # the additive masks' rows: one a token for the split kernels, one a query head for SDPA's
+        split = bool(projections) and projections[0].kernels.split_attention
+        self.mask_groups = 1 if split else groups
         self.prologue: Any = stack_prologue
         self.layer_step: Any = fused_layer_step
         self.epilogue: Any = stack_epilogue
@@ -131,7 +134,7 @@ class FusedStack:
         cache that gives each layer a view of its own (`cache.layer_view(index)`)."""
         masks = masks if isinstance(masks, dict) else {"full_attention": masks}
         residual, update, rotary, biases = self.prologue(
-            self.embed, self.rotary, input_ids, positions, masks, self.groups
+            self.embed, self.rotary, input_ids, positions, masks, self.mask_groups
         )
         wanted, captured = set(self.target.layer_ids), {}
         for index, layer in enumerate(self.target.layers):

@@ -26,12 +26,16 @@ from flashdraft.model import fused_decoder
 from flashdraft.model.fused_decoder import (
     STEP_TOLERANCE,
     FusedProjections,
+    StepKernels,
+    additive_mask,
     checked_difference,
     fused_decoder_step,
     fusion_refusal,
+    grouped_attention_bias,
     grouped_query_attention,
     step_difference,
 )
+from flashdraft.model.split_attention import split_attention_refusal
 from flashdraft.model.target import CACHE_PARAMETERS
 
 SHAPE = dict(
@@ -131,7 +135,8 @@ def test_layers_of_another_shape_are_refused_with_the_reason():
 
 
 @pytest.mark.parametrize("queries", [1, 4])
-def test_grouped_query_attention_is_per_head_attention(queries):
+@pytest.mark.parametrize("form", ["bool", "additive, a row a token", "additive, a row a head"])
+def test_grouped_query_attention_is_per_head_attention(queries, form):
     g = torch.Generator().manual_seed(5)
     rows, heads, kv_heads, cols, dim = 3, 6, 2, 10, 8
     query = torch.randn(rows, heads, queries, dim, generator=g)
@@ -141,7 +146,10 @@ def test_grouped_query_attention_is_per_head_attention(queries):
     )
     mask = torch.rand(rows, 1, queries, cols, generator=g) < 0.6
     mask[..., 0] = True
-    out = grouped_query_attention(query, key, value, mask, 0.3)
+    given = mask if form == "bool" else additive_mask(mask, torch.float32)
+    if form.endswith("a head"):  # as the fused stack's prologue makes it for SDPA
+        given = grouped_attention_bias(mask, heads // kv_heads, torch.float32)
+    out = grouped_query_attention(query, key, value, given, 0.3)
     assert out.shape == (rows, queries, heads, dim)
     for r in range(rows):
         for h in range(heads):
@@ -168,3 +176,45 @@ def test_the_check_sees_a_wrong_rope(monkeypatch):
     layer = _model("llama").model.layers[0]
     monkeypatch.setattr(fused_decoder, "_rotary_function", lambda attention: lambda q, k, cos, sin: (q, k))
     assert checked_difference(layer) > 20 * STEP_TOLERANCE
+
+
+def test_one_token_projections_compiled_as_reductions_compute_the_step():
+    """`StepKernels.row_gemv`: a one-token step compiled computes its projections as reductions, eager
+    as F.linear; both are the layer's step (fp32)."""
+    model = _model("qwen2")  # biased q/k/v
+    layer, config = model.model.layers[1], model.config
+    hidden = torch.randn(1, 1, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([[6]])
+    rotary = model.model.rotary_emb(hidden, positions)
+    mask = torch.arange(12)[None, None, None, :] <= positions[:, None, :, None]
+    with torch.no_grad():
+        plain = FusedProjections(layer)
+        expected = fused_decoder_step(layer, plain, hidden, mask, rotary, _view(config, 1, 12, positions, 2))
+        reducing = FusedProjections(layer, StepKernels(row_gemv=True))
+        compiled = torch.compile(fused_decoder_step, fullgraph=True)
+        out = compiled(layer, reducing, hidden, mask, rotary, _view(config, 1, 12, positions, 2))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_split_attention_off_a_cuda_device_is_sdpa():
+    """Split attention takes CUDA tensors alone: elsewhere a step asked for it computes through SDPA, and
+    the refusal says why."""
+    model = _model("llama")
+    layer, config = model.model.layers[1], model.config
+    rows, queries, width = 2, 3, 12
+    positions = torch.tensor([[4], [7]]) + torch.arange(queries)
+    mask = torch.arange(width)[None, None, None, :] <= positions[:, None, :, None]
+    hidden = torch.randn(rows, queries, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
+    rotary = model.model.rotary_emb(hidden, positions)
+    query = torch.zeros(rows, 4, queries, 8)
+    refusal = split_attention_refusal(query, torch.zeros(rows, 2, width, 8), additive_mask(mask, query.dtype))
+    assert refusal is not None and ("Triton" in refusal or "CUDA" in refusal)
+    with torch.no_grad():
+        steps = [
+            fused_decoder_step(layer, FusedProjections(layer, kernels), hidden, mask, rotary, view)
+            for kernels, view in (
+                (StepKernels(), _view(config, rows, width, positions, 2)),
+                (StepKernels(split_attention=True), _view(config, rows, width, positions, 2)),
+            )
+        ]
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-6, atol=1e-6)
