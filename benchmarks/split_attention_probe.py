@@ -118,7 +118,7 @@ def step_gemm_rows(device: str) -> list[dict]:
         "gate_up": (576, 3072, True, True, False),
         "down": (1536, 576, False, False, True),
     }
-    configs = [*itertools.product((16, 32, 64), (64, 128), (4,)), (32, 64, 2)]
+    configs = list(itertools.product((16, 32, 64), (64, 128), (4,))) + [(32, 64, 2)]
     for (name, (k, n, norm, gated, residual)), m in itertools.product(shapes.items(), (1, 8, 16)):
         x = torch.randn(1, m, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
