@@ -4,7 +4,7 @@ attention) and `split_attention`'s two Triton kernels, each one's largest error 
 reference beside it; and the SmolLM2 layer GEMMs at 1 and 8 rows through cuBLAS and through a compiled
 reduction (`StepKernels.row_gemv`). docs/decoding.md, "Split attention".
 
-    python benchmarks/split_attention_probe.py [--parts attention gemm step_gemm] [--out FILE]
+    python benchmarks/split_attention_probe.py [--out FILE]
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def step_gemm_rows(device: str) -> list[dict]:
         "gate_up": (576, 3072, True, True, False),
         "down": (1536, 576, False, False, True),
     }
-    configs = list(itertools.product((16, 32, 64), (64, 128), (4,))) + [(32, 64, 2)]
+    configs = list(itertools.product((16, 32, 64), (64, 128), (2, 4)))
     for (name, (k, n, norm, gated, residual)), m in itertools.product(shapes.items(), (1, 8, 16)):
         x = torch.randn(1, m, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
