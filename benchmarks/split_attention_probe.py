@@ -105,43 +105,6 @@ def gemm_rows(device: str) -> list[dict]:
     return results
 
 
-def step_gemm_rows(device: str) -> list[dict]:
-    """`step_gemm` (norm, gate, residual inside) against cuBLAS's GEMM alone, for each kernel config."""
-    import itertools
-
-    from flashdraft.model import step_gemm as module
-
-    results = []
-    shapes = {  # name: (in, out, norm, gated, residual)
-        "qkv": (576, 960, True, False, False),
-        "o_proj": (576, 576, False, False, True),
-        "gate_up": (576, 3072, True, True, False),
-        "down": (1536, 576, False, False, True),
-    }
-    configs = list(itertools.product((16, 32, 64), (64, 128), (2, 4)))
-    for (name, (k, n, norm, gated, residual)), m in itertools.product(shapes.items(), (1, 8, 16)):
-        x = torch.randn(1, m, k, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        nw = torch.randn(k, device=device, dtype=torch.bfloat16) if norm else None
-        res = (
-            torch.randn(1, m, n // 2 if gated else n, device=device, dtype=torch.bfloat16)
-            if residual
-            else None
-        )
-        row = {"gemm": name, "m": m, "cublas_us": replay_us(functools.partial(F.linear, x, w))}
-        timings = {}
-        for block_n, block_k, warps in configs:
-            module._BLOCK_N, module._BLOCK_K, module._WARPS = block_n, block_k, warps
-            fn = functools.partial(module._step_gemm, x, w, None, nw, 1e-5, gated, res)
-            timings[f"{block_n}x{block_k}w{warps}"] = replay_us(fn)
-        best = min(timings, key=timings.get)
-        row.update(step_gemm_best=best, step_gemm_us=timings[best], configs=timings)
-        results.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
-    module._BLOCK_N, module._BLOCK_K, module._WARPS = 32, 64, 4
-    return results
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)

@@ -556,11 +556,10 @@ def _stack_prologue_step(
     positions: Tensor,
     masks: dict,
     groups: int,
-    carried: bool,
 ) -> Any:
     """The compiled `stack_prologue`, its masks' width dynamic from the first compile."""
     _dynamic_widths(*masks.values())
-    return compiled(embed, rotary, ids, positions, masks, groups, carried)
+    return compiled(embed, rotary, ids, positions, masks, groups)
 
 
 def _stack_layer_step(
@@ -568,7 +567,7 @@ def _stack_layer_step(
     layer: nn.Module,
     fused: FusedProjections,
     residual: Tensor,
-    update: Tensor | None,
+    update: Tensor,
     bias: Tensor,
     rotary: tuple,
     view: Any,
@@ -606,8 +605,7 @@ def step_kernels(target: TargetModel) -> StepKernels:
     attention (with Triton) and the one-token projections as reductions; on the CPU, PyTorch's own
     (docs/decoding.md, "Split attention")."""
     on_gpu = target.device.type == "cuda"
-    triton_gpu = on_gpu and triton is not None
-    return StepKernels(split_attention=triton_gpu, row_gemv=on_gpu, step_gemm=triton_gpu)
+    return StepKernels(split_attention=on_gpu and triton is not None, row_gemv=on_gpu)
 
 
 def _fused_step_refusal(target: TargetModel, kernels: StepKernels) -> str | None:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flashdraft.model.split_attention import split_attention, split_attention_refusal
-from flashdraft.model.step_gemm import step_gemm, step_gemm_refusal
 from flashdraft.model.target import CACHE_PARAMETERS
 
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -91,9 +90,6 @@ class StepKernels:
     # makes one kernel of it, about twice as fast as cuBLAS's GEMM at one row on the H200); eager or at
     # more rows, F.linear
     row_gemv: bool = False
-    # projections of at most 16 token rows through model/step_gemm.py's Triton kernel, the norm before
-    # them and the SiLU gate or the residual add after them inside it (takes over from `row_gemv`)
-    step_gemm: bool = False
 
 
 def _plain_linear(module: object) -> bool:
@@ -198,39 +194,6 @@ def _attention(
     return grouped_query_attention(query, keys, values, mask, scaling)
 
 
-def _norm_parts(norm: nn.Module) -> tuple[Tensor, float] | None:
-    """An RMSNorm's weight and epsilon where `step_gemm` can compute the norm (Llama's form: the weight
-    times the normalized input), else None. A family whose norm of that name computes otherwise is
-    caught by the fp32 checks (`checked_difference`), which then refuse the step's kernels."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    weight = getattr(norm, "weight", None)
-    if type(norm).__name__.endswith("RMSNorm") and isinstance(eps, float) and isinstance(weight, Tensor):
-        return (weight, eps) if weight.dim() == 1 else None
-    return None
-
-
-def _normed_projection(
-    norm: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None, fused: FusedProjections, gated: bool
-) -> Tensor:
-    """`linear(norm(x), weight, bias)`, or for `gated` (a SiLU-gated MLP's stacked gate and up weights)
-    SiLU(gate) · up of it: one `step_gemm` where the step's kernels and the call allow it."""
-    parts = _norm_parts(norm)
-    if fused.kernels.step_gemm and parts is not None and step_gemm_refusal(x, weight) is None:
-        return step_gemm(x, weight, bias, parts[0], parts[1], gated, None)
-    out = _projection(norm(x), weight, bias, fused)
-    if not gated:
-        return out
-    gate, up = out.chunk(2, -1)
-    return F.silu(gate) * up
-
-
-def _residual_projection(x: Tensor, linear: nn.Linear, residual: Tensor, fused: FusedProjections) -> Tensor:
-    """`residual + linear(x)`: one `step_gemm` where the step's kernels and the call allow it."""
-    if fused.kernels.step_gemm and step_gemm_refusal(x, linear.weight) is None:
-        return step_gemm(x, linear.weight, linear.bias, None, 0.0, False, residual)
-    return residual + _projection(x, linear.weight, linear.bias, fused)
-
-
 def _attention_block(
     layer: nn.Module,
     fused: FusedProjections,
@@ -241,10 +204,9 @@ def _attention_block(
 ) -> Tensor:
     """The layer's input plus its attention's output."""
     attention = layer.self_attn
-    qkv = _normed_projection(
-        layer.input_layernorm, hidden_states, fused.qkv_weight, fused.qkv_bias, fused, gated=False
-    )
-    head_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+    x = layer.input_layernorm(hidden_states)
+    head_shape = (*x.shape[:-1], -1, attention.head_dim)
+    qkv = _projection(x, fused.qkv_weight, fused.qkv_bias, fused)
     query, key, value = qkv.split(fused.qkv_splits, -1)
     query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
     if fused.head_norms:
@@ -254,28 +216,16 @@ def _attention_block(
     query, key = fused.rotary(query, key, cos, sin)
     keys, values = cache.update(key, value)
     out = _attention(fused, query, keys, values, attention_mask, attention.scaling)
-    flat = out.reshape(*hidden_states.shape[:-1], -1)
-    return _residual_projection(flat, attention.o_proj, hidden_states, fused)
-
-
-def _gated_activation(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
-    """The MLP's act(gate) · up of the post-attention norm of `hidden`."""
-    norm, mlp = layer.post_attention_layernorm, layer.mlp
-    if type(mlp.act_fn) is nn.SiLU:  # the one activation `step_gemm` computes
-        return _normed_projection(norm, hidden, fused.gate_up_weight, fused.gate_up_bias, fused, gated=True)
-    gate, up = _projection(norm(hidden), fused.gate_up_weight, fused.gate_up_bias, fused).chunk(2, -1)
-    return mlp.act_fn(gate) * up
+    o_proj = attention.o_proj
+    return hidden_states + _projection(out.reshape(*x.shape[:-1], -1), o_proj.weight, o_proj.bias, fused)
 
 
 def _mlp_block(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
     """The layer's gated MLP output (before its residual add)."""
+    normed = layer.post_attention_layernorm(hidden)
+    gate, up = _projection(normed, fused.gate_up_weight, fused.gate_up_bias, fused).chunk(2, -1)
     down = layer.mlp.down_proj
-    return _projection(_gated_activation(layer, fused, hidden), down.weight, down.bias, fused)
-
-
-def _mlp_output(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
-    """`hidden` plus the layer's gated MLP output: the layer's output."""
-    return _residual_projection(_gated_activation(layer, fused, hidden), layer.mlp.down_proj, hidden, fused)
+    return _projection(layer.mlp.act_fn(gate) * up, down.weight, down.bias, fused)
 
 
 def fused_decoder_step(
@@ -291,28 +241,24 @@ def fused_decoder_step(
     [b, 1, queries, cols] bool (or `grouped_attention_bias`); returns the layer's output hidden states,
     as its own forward does."""
     hidden = _attention_block(layer, fused, hidden_states, attention_mask, position_embeddings, cache)
-    return _mlp_output(layer, fused, hidden)
+    return hidden + _mlp_block(layer, fused, hidden)
 
 
 def fused_layer_step(
     layer: nn.Module,
     fused: FusedProjections,
     residual: Tensor,
-    update: Tensor | None,
+    update: Tensor,
     attention_bias: Tensor,
     position_embeddings: tuple[Tensor, Tensor],
     cache: object,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """`fused_decoder_step` in `FusedStack`'s carried form: the layer's input is `residual + update` (the
     previous layer's output, its last add left to this graph, where it fuses with this layer's norm);
     returns that input (the previous layer's output, a feature), this layer's input plus its attention,
-    and its MLP's output, whose sum is this layer's output. With `StepKernels.step_gemm` the MLP's
-    residual is added inside its down projection's kernel instead: the layer's output and None (nothing
-    carried; `update` None too)."""
-    hidden_states = residual if update is None else residual + update
+    and its MLP's output, whose sum is this layer's output."""
+    hidden_states = residual + update
     hidden = _attention_block(layer, fused, hidden_states, attention_bias, position_embeddings, cache)
-    if fused.kernels.step_gemm:
-        return hidden_states, _mlp_output(layer, fused, hidden), None
     return hidden_states, hidden, _mlp_block(layer, fused, hidden)
 
 

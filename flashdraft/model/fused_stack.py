@@ -27,12 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from flashdraft.model.fused_decoder import (
-    FusedProjections,
-    StepKernels,
-    fused_layer_step,
-    grouped_attention_bias,
-)
+from flashdraft.model.fused_decoder import FusedProjections, fused_layer_step, grouped_attention_bias
 from flashdraft.model.target import TargetModel
 
 # config fields with which a model's forward scales its embedding, its residual stream or its logits
@@ -91,21 +86,20 @@ def stack_prologue(
     positions: Tensor,
     masks: dict[str, Tensor],
     groups: int,
-    carried: bool,
-) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor], dict[str, Tensor]]:
-    """The step's embedding, a zero update for the first layer's carried add (None where the layers carry
-    nothing), RoPE's (cos, sin) and each mask kind's additive mask for `groups` query heads per KV head."""
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor], dict[str, Tensor]]:
+    """The step's embedding, a zero update for the first layer's carried add, RoPE's (cos, sin) and each
+    mask kind's additive mask for `groups` query heads per KV head."""
     hidden = embed(input_ids)
     cos, sin = rotary(hidden, positions)
     biases = {kind: grouped_attention_bias(mask, groups, hidden.dtype) for kind, mask in masks.items()}
-    return hidden, torch.zeros_like(hidden) if carried else None, (cos, sin), biases
+    return hidden, torch.zeros_like(hidden), (cos, sin), biases
 
 
 def stack_epilogue(
-    norm: nn.Module, lm_head: nn.Module, residual: Tensor, update: Tensor | None
+    norm: nn.Module, lm_head: nn.Module, residual: Tensor, update: Tensor
 ) -> tuple[Tensor, Tensor]:
     """The logits of the last layer's output (`residual + update`) and that output after the final norm."""
-    normed = norm(residual if update is None else residual + update)
+    normed = norm(residual + update)
     return lm_head(normed), normed
 
 
@@ -126,9 +120,8 @@ class FusedStack:
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         )
         # the additive masks' rows: one a token for the split kernels, one a query head for SDPA's
-        kernels = projections[0].kernels if projections else StepKernels()
-        self.mask_groups = 1 if kernels.split_attention else groups
-        self.carried = not kernels.step_gemm  # step GEMMs add each layer's residual themselves
+        split = bool(projections) and projections[0].kernels.split_attention
+        self.mask_groups = 1 if split else groups
         self.prologue: Any = stack_prologue
         self.layer_step: Any = fused_layer_step
         self.epilogue: Any = stack_epilogue
@@ -141,7 +134,7 @@ class FusedStack:
         cache that gives each layer a view of its own (`cache.layer_view(index)`)."""
         masks = masks if isinstance(masks, dict) else {"full_attention": masks}
         residual, update, rotary, biases = self.prologue(
-            self.embed, self.rotary, input_ids, positions, masks, self.mask_groups, self.carried
+            self.embed, self.rotary, input_ids, positions, masks, self.mask_groups
         )
         wanted, captured = set(self.target.layer_ids), {}
         for index, layer in enumerate(self.target.layers):

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from flashdraft.generate.kv_cache import StaticKVCache, step_masks
-from flashdraft.model.fused_decoder import FusedProjections, StepKernels
+from flashdraft.model.fused_decoder import FusedProjections
 from flashdraft.model.fused_stack import STACK_TOLERANCE, FusedStack, stack_difference, stack_refusal
 from flashdraft.model.target import TargetModel
 
@@ -68,15 +68,9 @@ def _cache(target: TargetModel, rows: int, width: int, queries: int, seed: int) 
     return cache
 
 
-# off a GPU, the step's kernels asked for compute through their PyTorch fallbacks, with each kind's mask
-# a row a token and nothing carried between the layers (the step GEMMs' form)
-KERNELS = {"pytorch": StepKernels(), "step kernels asked": StepKernels(True, True, True)}
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("queries", [1, 4])
-@pytest.mark.parametrize("kernels", list(KERNELS))
-def test_the_stack_computes_the_model_forward(family, queries, kernels):
+def test_the_stack_computes_the_model_forward(family, queries):
     target = _target(family, [0, 1, 2])  # the last layer's feature is after the final norm
     if "sliding" in family:
         assert set(target.config.layer_types) == {"full_attention", "sliding_attention"}
@@ -101,8 +95,7 @@ def test_the_stack_computes_the_model_forward(family, queries, kernels):
             use_cache=True,
             **{target._cache_kwarg: caches[0]},
         )
-        stack = FusedStack(target, [FusedProjections(layer, KERNELS[kernels]) for layer in target.layers])
-        assert stack.carried == (kernels == "pytorch")
+        stack = FusedStack(target, [FusedProjections(layer) for layer in target.layers])
         logits, stacked = stack.step(ids, positions, masks, caches[1])
     torch.testing.assert_close(logits, reference.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stacked, features, rtol=1e-5, atol=1e-5)

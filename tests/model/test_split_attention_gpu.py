@@ -1,20 +1,14 @@
-"""GPU checks (marker `gpu`) of a fused step's Triton kernels (`StepKernels`, docs/decoding.md).
-
-- Split attention (model/split_attention.py) against a dense per-head reference in fp32 (to fp32
-  rounding) and in bf16 (no further from the reference than SDPA is): one query and a block, one row
-  and several, head dims that are not powers of two or below 16, widths that leave chunks wholly masked,
-  the most grouped rows a block holds; compiled whole and replayed from a CUDA graph, the same numbers.
-- Step GEMMs (model/step_gemm.py) against norm, linear, SiLU gate and residual add computed apart, in
-  fp32 and in bf16 (each rounding where the eager modules round), at 1, 8 and 16 rows.
-- A fused layer step on all of them is the layer's own forward (`checked_difference`, fp32).
-
-Run on the device machine: `python -m pytest -m gpu tests/model/test_step_kernels_gpu.py`."""
+"""GPU checks (marker `gpu`) of the split attention kernels (flashdraft/model/split_attention.py): against a
+dense per-head reference in fp32 (to fp32 rounding) and in bf16 (to bf16's, no further from the reference
+than SDPA is), for one query and a block, one row and several, head dims that are not powers of two,
+widths that leave chunks wholly masked, and the most grouped rows a block holds; compiled whole and
+replayed from a CUDA graph, the same numbers; a fused layer step on them is the layer's own forward
+(`checked_difference`). Run on the device machine: `python -m pytest -m gpu tests/model/test_split_attention_gpu.py`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from flashdraft.model.fused_decoder import (
@@ -25,7 +19,6 @@ from flashdraft.model.fused_decoder import (
     grouped_query_attention,
 )
 from flashdraft.model.split_attention import split_attention, split_attention_refusal
-from flashdraft.model.step_gemm import step_gemm, step_gemm_refusal
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +30,6 @@ SHAPES = [
     (2, 4, 2, 80, 3, 70),  # a head dim that is not a power of two
     (1, 32, 8, 128, 16, 600),  # Qwen3-8B's heads, a block of 16
     (1, 16, 2, 64, 16, 257),  # 128 grouped rows: the most a block holds
-    (2, 8, 2, 8, 3, 40),  # a head dim below tl.dot's 16
 ]
 
 
@@ -74,9 +66,7 @@ def test_split_attention_is_attention_in_fp32(shape):
     assert split_attention_refusal(query, key, mask) is None
     out = split_attention(query, key, value, mask, scale)
     assert out.shape == (shape[0], shape[4], shape[1], shape[3]) and out.dtype == torch.float32
-    torch.testing.assert_close(
-        out.double(), _reference(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -121,66 +111,10 @@ def test_split_attention_compiled_and_replayed_from_a_graph_is_the_same():
     "model_class, config",
     [
         (LlamaForCausalLM, LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)),
-        (
-            Qwen3ForCausalLM,
-            Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-        ),
+        (Qwen3ForCausalLM, Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
     ],
 )
 def test_a_fused_step_on_the_split_kernels_is_the_layers_own_forward(model_class, config):
     config.update(dict(vocab_size=64, intermediate_size=96, num_hidden_layers=1))
     layer = model_class(config).model.layers[0].cuda()
-    kernels = StepKernels(split_attention=True, row_gemv=True, step_gemm=True)
-    assert checked_difference(layer, kernels) < STEP_TOLERANCE / 100
-
-
-# (rows, in, out, norm, gated, bias, residual): SmolLM2's four projections and odd sizes
-GEMMS = [
-    (1, 576, 960, True, False, True, False),  # q/k/v after the input norm
-    (8, 576, 576, False, False, False, True),  # o_proj + residual
-    (16, 576, 3072, True, True, False, False),  # the post-attention norm, gate/up, SiLU(gate) · up
-    (1, 1536, 576, False, False, False, True),  # down_proj + residual
-    (5, 100, 70, True, True, True, True),  # sizes that are no block's multiple
-]
-
-
-def _eager_gemm(x, weight, bias, norm_weight, gated, residual, eps=1e-5):
-    """What the layer's modules compute, rounding where they round."""
-    if norm_weight is not None:  # Llama's RMSNorm
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        x = norm_weight * normed.to(x.dtype)
-    out = F.linear(x, weight, bias)
-    if gated:
-        gate, up = out.chunk(2, -1)
-        out = F.silu(gate) * up
-    return out if residual is None else residual + out
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", GEMMS, ids=str)
-def test_step_gemm_is_norm_linear_gate_and_residual(shape, dtype):
-    rows, k_in, n_out, norm, gated, bias, residual = shape
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def random(*size, scale=1.0):
-        return (scale * torch.randn(size, device="cuda", generator=g)).to(dtype)
-
-    x = random(1, rows, k_in)
-    weight = random(n_out, k_in, scale=k_in**-0.5)
-    b = random(n_out) if bias else None
-    norm_weight = random(k_in) if norm else None
-    res = random(1, rows, n_out // 2 if gated else n_out) if residual else None
-    assert step_gemm_refusal(x, weight) is None
-    out = step_gemm(x, weight, b, norm_weight, 1e-5, gated, res)
-    expected = _eager_gemm(x, weight, b, norm_weight, gated, res)
-    assert out.shape == expected.shape and out.dtype == dtype
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    else:  # bf16: the two differ by the sums' order, a rounding or two of the output
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
-
-
-def test_step_gemm_refuses_more_rows_than_a_block_holds():
-    x = torch.zeros(2, 9, 64, device="cuda")
-    assert "rows" in step_gemm_refusal(x, torch.zeros(32, 64, device="cuda"))
-    assert step_gemm_refusal(x[:1], torch.zeros(32, 64, device="cuda")) is None
+    assert checked_difference(layer, StepKernels(split_attention=True, row_gemv=True)) < STEP_TOLERANCE / 100
