@@ -98,6 +98,7 @@ def time_engine(
         "fused_layers": record["fused_layers"],
         "fused_stack": record["fused_stack"],
         "stack_difference": record["stack_difference"],
+        "step_kernels": record["step_kernels"],
         "cuda_graphs": record["cuda_graphs"],
         "ms_per_step": round(1e3 * seconds / steps, 3),
         "steps": steps,

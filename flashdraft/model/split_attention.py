@@ -48,8 +48,9 @@ def split_attention_refusal(query: Tensor, key: Tensor, mask: Tensor) -> str | N
     return None
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def _padded(n: int) -> int:
+    """A block dimension: a power of 2, at least 16 (tl.dot's least; the padding is zeros)."""
+    return max(16, 1 << max(0, n - 1).bit_length())
 
 
 if triton is not None:
@@ -158,9 +159,9 @@ def _split_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
     rows, heads, queries, dim = query.shape
     kv_heads, width, dim_v = key.shape[1], key.shape[2], value.shape[-1]
     groups = heads // kv_heads
-    block_m = max(16, _next_power_of_2(groups * queries))
+    block_m = _padded(groups * queries)
     tiles = math.ceil(width / _BLOCK_N)
-    dv_pad = _next_power_of_2(dim_v)
+    dv_pad = _padded(dim_v)
     # chunks: enough to fill the GPU, few enough that the combine holds all of theirs in registers
     splits = max(1, min(tiles, _TARGET_BLOCKS // (rows * kv_heads), _COMBINE_VALUES // dv_pad))
     chunk = math.ceil(tiles / splits) * _BLOCK_N
@@ -179,11 +180,11 @@ def _split_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
         mask.stride(0), mask.stride(2), mask.stride(3),
         kv_heads, queries, width, chunk, splits, scaling,
         GROUPS=groups, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, D=dim, DV=dim_v,
-        D_PAD=_next_power_of_2(dim), DV_PAD=dv_pad, PRECISION=precision,
+        D_PAD=_padded(dim), DV_PAD=dv_pad, PRECISION=precision,
     )  # fmt: skip
     _combine_kernel[(rows * kv_heads * groups * queries,)](
         acc, running_max, running_sum, out, *out.stride(), kv_heads, queries, splits,
-        GROUPS=groups, BLOCK_M=block_m, DV=dim_v, DV_PAD=dv_pad, SPLITS_PAD=_next_power_of_2(splits),
+        GROUPS=groups, BLOCK_M=block_m, DV=dim_v, DV_PAD=dv_pad, SPLITS_PAD=_padded(splits),
     )  # fmt: skip
     return out
 

@@ -1,9 +1,10 @@
 """GPU checks (marker `gpu`) of the split attention kernels (flashdraft/model/split_attention.py): against a
-dense per-head reference in fp32 (to fp32 rounding) and in bf16 (to bf16's, no further from the reference
-than SDPA is), for one query and a block, one row and several, head dims that are not powers of two,
-widths that leave chunks wholly masked, and the most grouped rows a block holds; compiled whole and
+dense per-head reference in fp32 (to fp32 rounding) and in bf16 (no further from the reference than SDPA
+is), for one query and a block, one row and several, head dims that are not powers of two or are below
+16, widths that leave chunks wholly masked, and the most grouped rows a block holds; compiled whole and
 replayed from a CUDA graph, the same numbers; a fused layer step on them is the layer's own forward
-(`checked_difference`). Run on the device machine: `python -m pytest -m gpu tests/model/test_split_attention_gpu.py`."""
+(`checked_difference`). Run on the device machine:
+`python -m pytest -m gpu tests/model/test_split_attention_gpu.py`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ SHAPES = [
     (2, 4, 2, 80, 3, 70),  # a head dim that is not a power of two
     (1, 32, 8, 128, 16, 600),  # Qwen3-8B's heads, a block of 16
     (1, 16, 2, 64, 16, 257),  # 128 grouped rows: the most a block holds
+    (2, 8, 2, 8, 3, 40),  # a head dim below tl.dot's 16
 ]
 
 
@@ -66,7 +68,9 @@ def test_split_attention_is_attention_in_fp32(shape):
     assert split_attention_refusal(query, key, mask) is None
     out = split_attention(query, key, value, mask, scale)
     assert out.shape == (shape[0], shape[4], shape[1], shape[3]) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _reference(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _reference(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -111,7 +115,10 @@ def test_split_attention_compiled_and_replayed_from_a_graph_is_the_same():
     "model_class, config",
     [
         (LlamaForCausalLM, LlamaConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)),
-        (Qwen3ForCausalLM, Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+        (
+            Qwen3ForCausalLM,
+            Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        ),
     ],
 )
 def test_a_fused_step_on_the_split_kernels_is_the_layers_own_forward(model_class, config):
