@@ -2,7 +2,7 @@
 graph for PyTorch's SDPA on the grouped query rows (the fused layer step's attention before split
 attention) and `split_attention`'s two Triton kernels, each one's largest error against an fp32
 reference beside it; and the SmolLM2 layer GEMMs at 1 and 8 rows through cuBLAS and through a compiled
-reduction (`StepKernels.row_gemv`). docs/decoding.md, "Split attention".
+reduction (tried for one-token steps and left out: docs/decoding.md, "Split attention").
 
     python benchmarks/split_attention_probe.py [--out FILE]
 """

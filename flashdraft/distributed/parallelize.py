@@ -602,10 +602,8 @@ def compiled_engine_function(function: Callable) -> Any:
 
 def step_kernels(target: TargetModel) -> StepKernels:
     """The kernels a compiled fused step computes with on the target's device: on a CUDA GPU, split
-    attention (with Triton) and the one-token projections as reductions; on the CPU, PyTorch's own
-    (docs/decoding.md, "Split attention")."""
-    on_gpu = target.device.type == "cuda"
-    return StepKernels(split_attention=on_gpu and triton is not None, row_gemv=on_gpu)
+    attention (with Triton); on the CPU, PyTorch's own (docs/decoding.md, "Split attention")."""
+    return StepKernels(split_attention=target.device.type == "cuda" and triton is not None)
 
 
 def _fused_step_refusal(target: TargetModel, kernels: StepKernels) -> str | None:

@@ -86,10 +86,6 @@ class StepKernels:
     # attention through model/split_attention.py's Triton kernels: the cache's columns over many thread
     # blocks, where SDPA walks them in one per KV head (a call it cannot take goes to SDPA)
     split_attention: bool = False
-    # a step of one token's projections as a reduction over the input dimension, compiled (inductor
-    # makes one kernel of it, about twice as fast as cuBLAS's GEMM at one row on the H200); eager or at
-    # more rows, F.linear
-    row_gemv: bool = False
 
 
 def _plain_linear(module: object) -> bool:
@@ -171,17 +167,6 @@ class FusedProjections(nn.Module):
         self.rotary = _rotary_function(attention)
 
 
-def _projection(x: Tensor, weight: Tensor, bias: Tensor | None, fused: FusedProjections) -> Tensor:
-    """`F.linear(x, weight, bias)`; for one token, compiled, as `StepKernels.row_gemv`'s reduction (fp32
-    sums, as cuBLAS's)."""
-    if not (fused.kernels.row_gemv and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1):
-        return F.linear(x, weight, bias)
-    out = (x.reshape(1, 1, -1).float() * weight.float()).sum(-1)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
-
-
 def _attention(
     fused: FusedProjections, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scaling: float
 ) -> Tensor:
@@ -206,7 +191,7 @@ def _attention_block(
     attention = layer.self_attn
     x = layer.input_layernorm(hidden_states)
     head_shape = (*x.shape[:-1], -1, attention.head_dim)
-    qkv = _projection(x, fused.qkv_weight, fused.qkv_bias, fused)
+    qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
     query, key, value = qkv.split(fused.qkv_splits, -1)
     query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
     if fused.head_norms:
@@ -217,15 +202,14 @@ def _attention_block(
     keys, values = cache.update(key, value)
     out = _attention(fused, query, keys, values, attention_mask, attention.scaling)
     o_proj = attention.o_proj
-    return hidden_states + _projection(out.reshape(*x.shape[:-1], -1), o_proj.weight, o_proj.bias, fused)
+    return hidden_states + o_proj(out.reshape(*x.shape[:-1], -1))
 
 
 def _mlp_block(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
     """The layer's gated MLP output (before its residual add)."""
     normed = layer.post_attention_layernorm(hidden)
-    gate, up = _projection(normed, fused.gate_up_weight, fused.gate_up_bias, fused).chunk(2, -1)
-    down = layer.mlp.down_proj
-    return _projection(layer.mlp.act_fn(gate) * up, down.weight, down.bias, fused)
+    gate, up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias).chunk(2, -1)
+    return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 def fused_decoder_step(

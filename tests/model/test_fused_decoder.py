@@ -178,24 +178,6 @@ def test_the_check_sees_a_wrong_rope(monkeypatch):
     assert checked_difference(layer) > 20 * STEP_TOLERANCE
 
 
-def test_one_token_projections_compiled_as_reductions_compute_the_step():
-    """`StepKernels.row_gemv`: a one-token step compiled computes its projections as reductions, eager
-    as F.linear; both are the layer's step (fp32)."""
-    model = _model("qwen2")  # biased q/k/v
-    layer, config = model.model.layers[1], model.config
-    hidden = torch.randn(1, 1, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(1))
-    positions = torch.tensor([[6]])
-    rotary = model.model.rotary_emb(hidden, positions)
-    mask = torch.arange(12)[None, None, None, :] <= positions[:, None, :, None]
-    with torch.no_grad():
-        plain = FusedProjections(layer)
-        expected = fused_decoder_step(layer, plain, hidden, mask, rotary, _view(config, 1, 12, positions, 2))
-        reducing = FusedProjections(layer, StepKernels(row_gemv=True))
-        compiled = torch.compile(fused_decoder_step, fullgraph=True)
-        out = compiled(layer, reducing, hidden, mask, rotary, _view(config, 1, 12, positions, 2))
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_split_attention_off_a_cuda_device_is_sdpa():
     """Split attention takes CUDA tensors alone: elsewhere a step asked for it computes through SDPA, and
     the refusal says why."""
