@@ -5,9 +5,10 @@ A step attends few query tokens (1 plain, a block when verifying) to a cache of 
 PyTorch's fused SDPA kernels give each (row, head, 64 query rows) one thread block that walks every
 column in turn: with the query heads of a KV head stacked as its rows, a batch-1 step of a 3-KV-head
 model runs on 3 of the H200's 132 SMs, and its time grows with the width. Here the columns are split
-into chunks, one thread block per (row, KV head, chunk) computing a partial softmax (its running max,
-its sum and its weighted values), and a second kernel combines the chunks, as flash-decoding does. The
-output is written in the [rows, queries, heads, dv] layout the output projection reads, with no copy.
+into chunks of 64, one thread block per (row, KV head, chunk) computing a partial softmax (its running
+max, its sum and its weighted values), and a second kernel combines the chunks, as flash-decoding does.
+The output is written in the [rows, queries, heads, dv] layout the output projection reads, with no
+copy.
 
 CUDA tensors only (`split_attention_refusal` says why a call cannot take it); the fused layer step
 calls `grouped_query_attention` otherwise, which computes the same attention through SDPA.
@@ -26,10 +27,21 @@ try:
 except ImportError:  # a CPU build of torch ships no Triton: the step keeps SDPA
     triton = None
 
-_BLOCK_N = 64  # columns a thread block's loop takes at a time
+_BLOCK_N = 64  # columns a thread block's loop takes at a time, and a chunk's columns up to _COMBINE_VALUES
 _MAX_ROWS = 128  # grouped query rows (query heads per KV head × queries) one block holds
-_TARGET_BLOCKS = 264  # about two thread blocks per SM of an H200: enough chunks to fill the GPU
 _COMBINE_VALUES = 8192  # the chunks' partial values (chunks × head dim) one combine program reads at once
+
+# The order of every sum is fixed by the head dimension alone, never by the call, so that a row attending
+# the same keys gets the same bits whether it decodes alone (plain, 1 query) or in a verify block, and
+# whatever the attended width (plain and speculative decoding reach a position at different widths):
+# - a block holds 64 grouped query rows up to 64 of them (128 past that), so that a row's dots and
+#   reductions run in one layout;
+# - chunks are 64 columns from column 0 (doubled only where the width would need more chunks than the
+#   combine reads, past 8,192 columns at head dim 64), so a wider cache adds only chunks masked whole,
+#   whose partials are exact zeros;
+# - the combine reduces over a fixed count of chunks (the unused ones zeros).
+# Measured before this rule (334f092), a chunk size picked from the width left one of 164 batch-16
+# greedy outputs past the lossless check's tie rule (docs/decoding.md, "Split attention").
 
 
 def split_attention_refusal(query: Tensor, key: Tensor, mask: Tensor) -> str | None:
@@ -49,7 +61,7 @@ def split_attention_refusal(query: Tensor, key: Tensor, mask: Tensor) -> str | N
 
 
 def _padded(n: int) -> int:
-    """A block dimension: a power of 2, at least 16 (tl.dot's least; the padding is zeros)."""
+    """A head dimension as a block's: a power of 2, at least 16 (tl.dot's least; the padding is zeros)."""
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
@@ -159,13 +171,13 @@ def _split_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
     rows, heads, queries, dim = query.shape
     kv_heads, width, dim_v = key.shape[1], key.shape[2], value.shape[-1]
     groups = heads // kv_heads
-    block_m = _padded(groups * queries)
-    tiles = math.ceil(width / _BLOCK_N)
+    block_m = 64 if groups * queries <= 64 else _MAX_ROWS
     dv_pad = _padded(dim_v)
-    # chunks: enough to fill the GPU, few enough that the combine holds all of theirs in registers
-    splits = max(1, min(tiles, _TARGET_BLOCKS // (rows * kv_heads), _COMBINE_VALUES // dv_pad))
-    chunk = math.ceil(tiles / splits) * _BLOCK_N
-    splits = math.ceil(width / chunk)  # no chunk left empty
+    most_chunks = _COMBINE_VALUES // dv_pad
+    chunk = _BLOCK_N
+    while math.ceil(width / chunk) > most_chunks:
+        chunk *= 2
+    splits = math.ceil(width / chunk)
     parts = rows * kv_heads * splits
     device = query.device
     acc = torch.empty(parts * block_m * dv_pad, dtype=torch.float32, device=device)
@@ -184,7 +196,7 @@ def _split_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, sc
     )  # fmt: skip
     _combine_kernel[(rows * kv_heads * groups * queries,)](
         acc, running_max, running_sum, out, *out.stride(), kv_heads, queries, splits,
-        GROUPS=groups, BLOCK_M=block_m, DV=dim_v, DV_PAD=dv_pad, SPLITS_PAD=_padded(splits),
+        GROUPS=groups, BLOCK_M=block_m, DV=dim_v, DV_PAD=dv_pad, SPLITS_PAD=most_chunks,
     )  # fmt: skip
     return out
 
