@@ -20,6 +20,7 @@ from flashdraft.model.fused_decoder import (
     grouped_query_attention,
 )
 from flashdraft.model.split_attention import split_attention, split_attention_refusal
+from tests.model.attention_reference import dense_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -51,15 +52,6 @@ def _inputs(shape: tuple, dtype: torch.dtype, seed: int = 0):
     return query, key, value, allowed
 
 
-def _reference(query, key, value, allowed, scale):
-    groups = query.shape[1] // key.shape[1]
-    keys = key.double().repeat_interleave(groups, 1)
-    values = value.double().repeat_interleave(groups, 1)
-    scores = (query.double() @ keys.transpose(-1, -2)) * scale
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return (probs @ values).transpose(1, 2)  # [rows, queries, heads, dv]
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_split_attention_is_attention_in_fp32(shape):
     query, key, value, allowed = _inputs(shape, torch.float32)
@@ -69,7 +61,7 @@ def test_split_attention_is_attention_in_fp32(shape):
     out = split_attention(query, key, value, mask, scale)
     assert out.shape == (shape[0], shape[4], shape[1], shape[3]) and out.dtype == torch.float32
     torch.testing.assert_close(
-        out.double(), _reference(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5
+        out.double(), dense_attention(query, key, value, allowed, scale), rtol=1e-5, atol=1e-5
     )
 
 
@@ -77,7 +69,7 @@ def test_split_attention_is_attention_in_fp32(shape):
 def test_split_attention_in_bf16_is_as_close_as_sdpa(shape):
     query, key, value, allowed = _inputs(shape, torch.bfloat16)
     scale = shape[3] ** -0.5
-    truth = _reference(query, key, value, allowed, scale)
+    truth = dense_attention(query, key, value, allowed, scale)
     out = split_attention(query, key, value, additive_mask(allowed, torch.bfloat16), scale)
     sdpa = grouped_query_attention(query, key, value, allowed, scale)
     ours, theirs = ((o.double() - truth).abs().max().item() for o in (out, sdpa))

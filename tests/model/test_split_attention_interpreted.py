@@ -12,23 +12,18 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")  # the test extra installs it; the kernels run where it is
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """
     import torch
     from flashdraft.model.split_attention import split_attention
-
-    def reference(q, k, v, allowed, scale):
-        groups = q.shape[1] // k.shape[1]
-        keys = k.double().repeat_interleave(groups, 1)
-        values = v.double().repeat_interleave(groups, 1)
-        scores = (q.double() @ keys.transpose(-1, -2)) * scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        return (probs @ values).transpose(1, 2)
+    from tests.model.attention_reference import dense_attention as reference
 
     def inputs(rows, heads, kv, dim, queries, width, seed=0, holes=True):
         g = torch.Generator().manual_seed(seed)
