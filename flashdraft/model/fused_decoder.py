@@ -191,8 +191,7 @@ def _attention_block(
     attention = layer.self_attn
     x = layer.input_layernorm(hidden_states)
     head_shape = (*x.shape[:-1], -1, attention.head_dim)
-    qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
-    query, key, value = qkv.split(fused.qkv_splits, -1)
+    query, key, value = F.linear(x, fused.qkv_weight, fused.qkv_bias).split(fused.qkv_splits, -1)
     query, key, value = query.view(head_shape), key.view(head_shape), value.view(head_shape)
     if fused.head_norms:
         query, key = attention.q_norm(query), attention.k_norm(key)
@@ -201,14 +200,14 @@ def _attention_block(
     query, key = fused.rotary(query, key, cos, sin)
     keys, values = cache.update(key, value)
     out = _attention(fused, query, keys, values, attention_mask, attention.scaling)
-    o_proj = attention.o_proj
-    return hidden_states + o_proj(out.reshape(*x.shape[:-1], -1))
+    return hidden_states + attention.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
 def _mlp_block(layer: nn.Module, fused: FusedProjections, hidden: Tensor) -> Tensor:
     """The layer's gated MLP output (before its residual add)."""
-    normed = layer.post_attention_layernorm(hidden)
-    gate, up = F.linear(normed, fused.gate_up_weight, fused.gate_up_bias).chunk(2, -1)
+    gate, up = F.linear(
+        layer.post_attention_layernorm(hidden), fused.gate_up_weight, fused.gate_up_bias
+    ).chunk(2, -1)
     return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 

@@ -34,7 +34,7 @@ _COMBINE_VALUES = 8192  # the chunks' partial values (chunks × head dim) one co
 # The order of every sum is fixed by the head dimension alone, never by the call, so that a row attending
 # the same keys gets the same bits whether it decodes alone (plain, 1 query) or in a verify block, and
 # whatever the attended width (plain and speculative decoding reach a position at different widths):
-# - a block holds 64 grouped query rows up to 64 of them (128 past that), so that a row's dots and
+# - a block holds 64 grouped query rows whenever 64 suffice (128 past that), so that a row's dots and
 #   reductions run in one layout;
 # - chunks are 64 columns from column 0 (doubled only where the width would need more chunks than the
 #   combine reads, past 8,192 columns at head dim 64), so a wider cache adds only chunks masked whole,
