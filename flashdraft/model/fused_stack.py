@@ -120,8 +120,7 @@ class FusedStack:
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         )
         # the additive masks' rows: one a token for the split kernels, one a query head for SDPA's
-        split = bool(projections) and projections[0].kernels.split_attention
-        self.mask_groups = 1 if split else groups
+        self.mask_groups = 1 if projections[0].kernels.split_attention else groups
         self.prologue: Any = stack_prologue
         self.layer_step: Any = fused_layer_step
         self.epilogue: Any = stack_epilogue

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from flashdraft.generate.kv_cache import StaticKVCache, step_masks
-from flashdraft.model.fused_decoder import FusedProjections
+from flashdraft.model.fused_decoder import FusedProjections, StepKernels
 from flashdraft.model.fused_stack import STACK_TOLERANCE, FusedStack, stack_difference, stack_refusal
 from flashdraft.model.target import TargetModel
 
@@ -70,7 +70,9 @@ def _cache(target: TargetModel, rows: int, width: int, queries: int, seed: int) 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("queries", [1, 4])
-def test_the_stack_computes_the_model_forward(family, queries):
+@pytest.mark.parametrize("split", [False, True], ids=["pytorch", "split attention asked"])
+def test_the_stack_computes_the_model_forward(family, queries, split):
+    """With split attention asked for (its SDPA fallback off a GPU), the masks come a row a token."""
     target = _target(family, [0, 1, 2])  # the last layer's feature is after the final norm
     if "sliding" in family:
         assert set(target.config.layer_types) == {"full_attention", "sliding_attention"}
@@ -95,7 +97,11 @@ def test_the_stack_computes_the_model_forward(family, queries):
             use_cache=True,
             **{target._cache_kwarg: caches[0]},
         )
-        stack = FusedStack(target, [FusedProjections(layer) for layer in target.layers])
+        kernels = StepKernels(split_attention=split)
+        stack = FusedStack(target, [FusedProjections(layer, kernels) for layer in target.layers])
+        assert stack.mask_groups == (
+            1 if split else SHAPE["num_attention_heads"] // SHAPE["num_key_value_heads"]
+        )
         logits, stacked = stack.step(ids, positions, masks, caches[1])
     torch.testing.assert_close(logits, reference.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stacked, features, rtol=1e-5, atol=1e-5)
