@@ -594,10 +594,19 @@ def _decoding_functions() -> dict[str, Any]:
 
 
 @functools.cache
-def compiled_engine_function(function: Callable) -> Any:
-    """A decoding engine's own step function (generate/fast.py: the acceptance, the rows' settling)
-    compiled whole, once per process for each function."""
-    return torch.compile(function, fullgraph=True)
+def compiled_engine_function(function: Callable, width_args: tuple[int, ...] = ()) -> Any:
+    """A decoding engine's own step function (generate/fast.py::StepFunctions: the drafter's inputs, its
+    drafts, the acceptance, the rows' settling) compiled whole, once per process for each function; the
+    last dim of the positional arguments `width_args` (an attended width) dynamic from the first compile."""
+    compiled = torch.compile(function, fullgraph=True)
+    if not width_args:
+        return compiled
+
+    def call(*args: Any) -> Any:
+        _dynamic_widths(*(args[index] for index in width_args))
+        return compiled(*args)
+
+    return call
 
 
 def step_kernels(target: TargetModel) -> StepKernels:

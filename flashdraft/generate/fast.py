@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ from flashdraft.generate.sampling import (
     sampling_probs,
 )
 from flashdraft.generate.speculative import Generation
-from flashdraft.model.attention import decoding_attention_kernels, dense_mask
+from flashdraft.model.attention import LayerKind, decoding_attention_kernels, dense_mask
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.fused_decoder import FusedProjections
 from flashdraft.model.fused_stack import STACK_TOLERANCE, FusedStack, stack_difference, stack_twin
@@ -131,6 +132,48 @@ def greedy_acceptance(logits: Tensor, block_ids: Tensor) -> tuple[Tensor, Tensor
     return committed, produced
 
 
+def draft_inputs(
+    embed: Callable[[Tensor], Tensor],
+    anchor: Tensor,
+    start: Tensor,
+    offsets: Tensor,
+    proposed: Tensor,
+    context_columns: Tensor,
+    mask_id: int,
+    kinds: tuple[LayerKind, ...],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The drafter's input of a step: every row's block (its `anchor`, then B-1 mask tokens) embedded, and
+    per layer kind its mask [rows, 1, B, visible + B]: the block at the row's `start` attends to the
+    row's context columns before its anchor (`context_columns`, the attended width's) and to its first
+    `proposed` + 1 block positions (a block cut at the token limit, as the eager loop cuts it)."""
+    rows, block = anchor.shape[0], offsets.shape[0]
+    ids = torch.cat([anchor[:, None], anchor.new_full((rows, block - 1), mask_id)], 1)
+    visible = context_columns.shape[0]
+    in_block = (offsets[None, :] <= proposed[:, None])[:, None, None, :]  # [rows, 1, 1, B]
+    keep = torch.ones(rows, 1, dtype=torch.bool, device=anchor.device)
+    masks = {}
+    for kind in kinds:
+        mask = dense_mask(start[:, None], keep, context_columns[None].expand(rows, -1), block, kind)
+        masks[kind.key] = torch.cat([mask[..., :visible], mask[..., visible:] & in_block], -1)
+    return embed(ids), masks
+
+
+def greedy_drafts(drafter: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+    """The drafter's greedy tokens [rows, B-1] of its hidden states at the block positions 1..."""
+    return drafter.compute_logits(hidden, lm_head_weight).argmax(-1)
+
+
+def write_context(
+    context_kv: list[tuple[Tensor, Tensor]], new: list[tuple[Tensor, Tensor]], positions: Tensor
+):
+    """Each drafter layer's context keys and values [rows, heads, n, d] of a step written into its cache
+    at every row's own columns, the `positions` [rows, n]."""
+    for (k, v), (keys, values) in zip(new, context_kv, strict=True):
+        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        keys.scatter_(2, index, k)
+        values.scatter_(2, index, v)
+
+
 def settle(
     committed: Tensor,
     produced: Tensor,
@@ -170,6 +213,28 @@ def settle(
     report[-1] = active.long()
     step_index += 1
     return produced
+
+
+@dataclass(frozen=True)
+class StepFunctions:
+    """A step's own code around the model calls (some fifty small kernels eager): as written, or each
+    compiled whole with the model code (`compiled`)."""
+
+    greedy_acceptance: Callable = greedy_acceptance
+    settle: Callable = settle
+    draft_inputs: Callable = draft_inputs
+    greedy_drafts: Callable = greedy_drafts
+    write_context: Callable = write_context
+
+    @classmethod
+    def compiled(cls) -> StepFunctions:
+        """Each function compiled once per process; the drafter's context width is dynamic from the
+        first compile (one graph for every width)."""
+        return cls(
+            *map(compiled_engine_function, (greedy_acceptance, settle)),
+            compiled_engine_function(draft_inputs, width_args=(5,)),
+            *map(compiled_engine_function, (greedy_drafts, write_context)),
+        )
 
 
 class FastEngine:
@@ -228,10 +293,8 @@ class FastEngine:
             compiled = compile_for_decoding(target, drafter)
             self.compiled = None if compiled.refusal else compiled
             self.compile_note = f"eager model code: {compiled.refusal}" if compiled.refusal else None
-        # the step's tail: compiled with the model code (two graphs, where eager it is some thirty kernels)
-        self.greedy_acceptance, self.settle = greedy_acceptance, settle
-        if self.compiled is not None:
-            self.greedy_acceptance, self.settle = map(compiled_engine_function, (greedy_acceptance, settle))
+        # the step's own code around the model calls: compiled with the model code
+        self.step_functions = StepFunctions.compiled() if self.compiled is not None else StepFunctions()
         self.cache_argument = target._cache_kwarg
         sliding = "sliding_attention" in (getattr(target.config, "layer_types", None) or [])
         self.window: int | None = int(target.config.sliding_window) if sliding else None
@@ -242,6 +305,9 @@ class FastEngine:
         self.sampled = temperature > 0
         self.draft_sampling = draft_sampling
         self.selector = getattr(drafter, "candidate_selector", None)  # a DFlash2 drafter's
+        # the drafter's attention kinds, each with its own block mask (`draft_inputs`)
+        kinds = set(drafter.layer_kinds()) if drafter is not None else set()
+        self.draft_kinds = tuple(sorted(kinds, key=lambda kind: kind.key))
         # one random stream per row, reseeded with each prompt's seed when the row is admitted
         self.generators = [torch.Generator(device=self.device) for _ in range(rows)]
 
@@ -302,33 +368,33 @@ class FastEngine:
         """Write the drafter's context K/V of target `features` [r, n, F] at absolute `positions` [r, n]
         (which are also their columns), for `rows` (all when None). The same projections as the drafter's
         own forward: fc, hidden_norm, rope, and each layer's key_value."""
-        project = self.drafter.context_key_values  # a prompt's (any length): eager
-        if rows is None and self.compiled is not None:
-            project = self.compiled.context_key_values
-        for (k, v), (keys, values) in zip(project(features, positions), self.context_kv, strict=True):
-            if rows is not None:
+        if rows is not None:  # a prompt's (any length): eager, at columns 0..n-1
+            for (k, v), (keys, values) in zip(
+                self.drafter.context_key_values(features, positions), self.context_kv, strict=True
+            ):
                 keys[rows, :, : k.shape[2]] = k
                 values[rows, :, : k.shape[2]] = v
-                continue
-            index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
+            return
+        project = (
+            self.drafter.context_key_values if self.compiled is None else self.compiled.context_key_values
+        )
+        self.step_functions.write_context(self.context_kv, project(features, positions), positions)
 
-    def _draft(self, block_ids: Tensor, positions: Tensor, visible: int, proposed: Tensor) -> Tensor:
-        """The drafter's hidden states [rows, B-1, H] at block positions 1.. for the blocks `block_ids`
-        [rows, B]: every row's block attends to its own context columns (those before its anchor) and to
-        its first `proposed` + 1 block positions (a block cut at the token limit, as the eager loop cuts it)."""
-        drafter = self.drafter
-        context_columns = self.column_index[:visible][None].expand(self.rows, -1)
-        anchors, keep = self.start[:, None], torch.ones(self.rows, 1, dtype=torch.bool, device=self.device)
-        in_block = (self.offsets[None, :] <= proposed[:, None])[:, None, None, :]  # [rows, 1, 1, B]
-        masks = {}
-        for kind in set(drafter.layer_kinds()):
-            mask = dense_mask(anchors, keep, context_columns, self.block, kind)
-            masks[kind.key] = torch.cat([mask[..., :visible], mask[..., visible:] & in_block], -1)
-        forward = drafter.forward_cached if self.compiled is None else self.compiled.drafter_forward
-        hidden = forward(self.target.embed(block_ids), positions, masks, self.context_kv, self.block)
-        return hidden[:, 1:]
+    def _draft(self, positions: Tensor, visible: int, proposed: Tensor) -> Tensor:
+        """The drafter's hidden states [rows, B-1, H] at block positions 1.. of every row's block (its
+        anchor, then mask tokens) at `positions` (`draft_inputs`)."""
+        embedded, masks = self.step_functions.draft_inputs(
+            self.target.embed,
+            self.anchor,
+            self.start,
+            self.offsets,
+            proposed,
+            self.column_index[:visible],
+            self.mask_id,
+            self.draft_kinds,
+        )
+        forward = self.drafter.forward_cached if self.compiled is None else self.compiled.drafter_forward
+        return forward(embedded, positions, masks, self.context_kv, self.block)[:, 1:]
 
     def _proposals(self, hidden: Tensor) -> tuple[Tensor, Tensor | None]:
         """Draft tokens [rows, B-1] and, when sampling, the distributions q [rows, B-1, V] they came from
@@ -338,10 +404,12 @@ class FastEngine:
         if self.selector is not None:  # DFlash2, greedy (sampled DFlash2 is refused up front)
             path, _, _ = self.drafter.propose(hidden, self.anchor, self.target.lm_head_weight, 0.0)
             return path, None
+        if not self.sampled:
+            return self.step_functions.greedy_drafts(self.drafter, hidden, self.target.lm_head_weight), None
         logits = self.drafter.compute_logits(hidden, self.target.lm_head_weight)
-        if not self.sampled or self.draft_sampling == "argmax":
+        if self.draft_sampling == "argmax":
             drafts = logits.argmax(-1)
-            return drafts, one_hot_probs(drafts, vocab) if self.sampled else None
+            return drafts, one_hot_probs(drafts, vocab)
         q = sampling_probs(logits, self.temperature, self.top_p, self.top_k)
         shape = (self.block - 1, q.shape[-1])
         noise = torch.stack([exponential_noise(shape, g, self.device) for g in self.generators])
@@ -350,24 +418,23 @@ class FastEngine:
     # -- one step: what a CUDA graph holds -------------------------------------------------------------
     def _step(self, visible: int) -> None:
         """Draft, verify and accept for every row; writes the outputs and advances the rows in place."""
-        rows, block = self.rows, self.block
+        block = self.block
         positions = self.start[:, None] + self.offsets  # [rows, B]
         # drafts each row proposes: B-1, or fewer where its token budget ends first (the eager loop's cut)
         proposed = torch.clamp(self.max_new - self.count, min=0, max=block - 1)
-        block_ids = self.anchor[:, None].expand(rows, block).clone()
-        draft_probs = None
+        block_ids, draft_probs = self.anchor[:, None], None
         if block > 1:
-            masked = torch.cat([self.anchor[:, None], block_ids.new_full((rows, block - 1), self.mask_id)], 1)
-            block_ids[:, 1:], draft_probs = self._proposals(self._draft(masked, positions, visible, proposed))
+            drafts, draft_probs = self._proposals(self._draft(positions, visible, proposed))
+            block_ids = torch.cat([block_ids, drafts], 1)
         logits, features = self._verify(block_ids, positions, visible)
         # committed [rows, B]: the tokens each row would commit, the first `produced` of them kept
         if self.sampled:
             committed, produced = self._sampled_accept(logits, block_ids, draft_probs, proposed)
         else:
-            committed, produced = self.greedy_acceptance(logits, block_ids)
+            committed, produced = self.step_functions.greedy_acceptance(logits, block_ids)
         if block > 1:  # the verified positions' features: the context of the rows' next blocks
             self._context(features, positions)
-        produced = self.settle(
+        produced = self.step_functions.settle(
             committed,
             produced,
             self.active,
@@ -502,7 +569,7 @@ class FastEngine:
                     raise
                 self.compiled.undo()
                 self.compiled, self.kv.layer_views = None, False
-                self.greedy_acceptance, self.settle = greedy_acceptance, settle
+                self.step_functions = StepFunctions()
                 self.compile_note = f"compile failed, eager model code: {_first_line(exc)}"
                 self._step(widths[0])
         if side is not None:

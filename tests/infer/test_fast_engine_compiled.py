@@ -77,6 +77,9 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     assert _graphs(parallelize._run_drafter) == 1
     assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
     assert _graphs(fast_engine.greedy_acceptance) == _graphs(fast_engine.settle) == 1  # the step's tail
+    # the step's own code around the model calls: one graph each, the drafter's inputs at every width
+    assert _graphs(fast_engine.draft_inputs) == _graphs(fast_engine.greedy_drafts) == 1
+    assert _graphs(fast_engine.write_context) == 1
 
     plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
     runs = plain.generate(prompts)
