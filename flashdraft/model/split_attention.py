@@ -42,8 +42,8 @@ _COMBINE_VALUES = 8192  # the chunks' partial values (chunks × head dim) one co
 # - the combine reduces over a fixed count of chunks (the unused ones zeros).
 # Widths should be aligned: Triton compiles a kernel variant per integer argument's 16-divisibility (the
 # width, the mask's strides), and a bf16 call at width 200 differed by an ulp from one at 448; not
-# specializing them cost 22 of 95 us a batch-1 step (measured on the H200). The engine's widths are its
-# 64-column buckets, all but a call's widest (its buffers' width, not yet rounded up: docs/decoding.md).
+# specializing them cost 22 of 95 us a batch-1 step (measured on the H200). The engine's widths are all
+# 64-column bucket multiples, its buffers' too (docs/decoding.md, "The order rule").
 # Measured before this rule (334f092), a chunk size picked from the width left one of 164 batch-16
 # greedy outputs past the lossless check's tie rule (docs/decoding.md, "Split attention").
 
