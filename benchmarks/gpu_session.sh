@@ -24,6 +24,8 @@
 #   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
+#   fp8-quality: after real-setup, issue 32's quality proof: bench quality with a bf16 and an fp8 variant trained
+#          the same STEPS (default 600) side by side, real τ and z-lab's τ of both (torchao from .whl)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
@@ -138,6 +140,19 @@ case "${1:-tests}" in
       --variant muon-2x:train.optimizer=muon,train.muon_lr=0.0012 \
       --out "$out/quality_h200_smollm2_optimizer.json" > "$out/recipe_optim.log" 2>&1
     grep -v -i warn "$out/recipe_optim.log" | grep -v "Loading weights" | tail -30 ;;
+  fp8-quality)
+    # issue 32 item 4, after real-setup: bf16 and fp8 drafters trained the same STEPS (no time budget: the cosine
+    # runs over the steps, so both see one schedule) on the same regenerated shards, side by side on the GPU,
+    # each scored by flashdraft eval's loop at the curve points and by z-lab's dflash_generate at the end
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
+    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
+      --device cuda --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-16} --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \
+      --curve-points 2 --max-new-tokens 128 --variants-per-gpu 2 \
+      $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
+      --variant bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600} \
+      --variant fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600} \
+      --out "$out/quality_h200_smollm2_fp8.json" > "$out/fp8_quality.log" 2>&1
+    grep -v -i warn "$out/fp8_quality.log" | grep -v "Loading weights\|Failed to load" | tail -30 ;;
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
@@ -321,7 +336,7 @@ print('NVML:', gpu_usage())
     python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     python3 -c "import torch, torchao; from torchao.float8 import convert_to_float8_training; print('torchao', torchao.__version__, 'torch', torch.__version__, 'capability', torch.cuda.get_device_capability())" 2>&1 | grep -v "Failed to load" | tee "$out/fp8_import.txt"
-    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --compile-target --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
+    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;

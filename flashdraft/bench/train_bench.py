@@ -9,8 +9,9 @@ timed with CUDA events around the real objective's own calls.
 
 `--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise]` runs each drafter
 precision in turn on the same target and reports each against bf16 (docs/fp8.md). Before the drafter
-steps, the target's feature forward is timed eager and, with `--compile-target` (train.compile_target, off by
-default as in the trainer), with its decoder layers compiled, against its GEMM floor.
+steps, the target's feature forward is timed eager and then, unless `--no-compile-target` (as the trainer's
+train.compile_target, on by default), with its decoder layers compiled, against its GEMM floor; the drafter
+steps then run beside the compiled target, as `flashdraft train` does.
 
 `flashdraft bench train --data SHARDS [--packing on|off|both]` times real steps on a real shard set instead,
 with and without sequence packing (flashdraft/bench/packing_bench.py, docs/packing.md); it runs on the CPU
@@ -45,6 +46,7 @@ from flashdraft.bench.shapes import (
     build_random_target,
     linear_attention_kernels,
 )
+from flashdraft.config import TrainConfig
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.compile_workers import start_compile_workers
 from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS
@@ -429,8 +431,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compile-target",
-        action="store_true",
-        help="also time the target with its decoder layers compiled, and keep them so (train.compile_target)",
+        action=argparse.BooleanOptionalAction,
+        default=TrainConfig.compile_target,
+        help="after the eager forward, time the target with its decoder layers compiled and keep them so, "
+        "as the trainer's train.compile_target (default on)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
     return parser
