@@ -24,6 +24,8 @@
 #   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
+#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch) of issue 33's recipe table, detached:
+#          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete)
 #   fp8-quality: after real-setup, issue 32's quality proof: bench quality with a bf16 and an fp8 variant trained
 #          the same STEPS (default 600) side by side, real τ and z-lab's τ of both (torchao from .whl)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
@@ -75,6 +77,8 @@ export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/flashdraft-gpu}
 mkdir -p "$out"
 REAL=/tmp/real
+# whether a bench quality result is finished as a whole (its variants say "complete" each, earlier)
+finished() { python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get('complete') else 1)" "$1" 2>/dev/null; }
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "${1:-tests}" in
   real-part0)
@@ -103,7 +107,7 @@ case "${1:-tests}" in
     sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
   race-wait)
     r=$REAL/race-${TARGET:-smollm2}
-    for i in $(seq 1 54); do grep -q '"complete": true' $r.json 2>/dev/null && break; sleep 10; done
+    for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
     cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40 ;;
   gemma-part)
     mkdir -p $REAL/gemma-whl && cp .real/gemma/*.whl $REAL/gemma-whl/ && ls -la $REAL/gemma-whl ;;
@@ -140,6 +144,32 @@ case "${1:-tests}" in
       --variant muon-2x:train.optimizer=muon,train.muon_lr=0.0012 \
       --out "$out/quality_h200_smollm2_optimizer.json" > "$out/recipe_optim.log" 2>&1
     grep -v -i warn "$out/recipe_optim.log" | grep -v "Loading weights" | tail -30 ;;
+  recipe)
+    # issue 33's recipe table, after real-setup, detached (a 5-minute budget with its evaluations outlives a call):
+    # one ROW of variants, VARIANTS_PER_GPU (default 3) at once on the GPU, each MINUTES (default 5) of training
+    # at bench quality's defaults (5 layers, block 16) on the same data (prepared once, reused by later rows);
+    # then recipe-wait. Every variant spells out the setting it tests, so a default changed later keeps the row.
+    case "${ROW:-lr}" in
+      optim) v="adamw:train.optimizer=adamw muon:train.optimizer=muon muon-2x:train.optimizer=muon,train.muon_lr=0.0012" ;;
+      lr) v="lr-3e-4:train.lr=0.0003 lr-6e-4:train.lr=0.0006 lr-1.2e-3:train.lr=0.0012" ;;
+      anchors) v="anchors-128:train.num_anchors=128 anchors-256:train.num_anchors=256 anchors-512:train.num_anchors=512" ;;
+      depth) v="layers-2:model.num_layers=2 layers-3:model.num_layers=3 layers-5:model.num_layers=5" ;;
+      block) v="block-8:model.block_size=8 block-10:model.block_size=10 block-16:model.block_size=16" ;;
+      loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
+      arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
+      *) echo "ROW: optim lr anchors depth block loss arch"; exit 1 ;;
+    esac
+    nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
+      --work $REAL/quality --device cuda --prompts ${PROMPTS:-2000} --eval-prompts ${EVAL_PROMPTS:-16} \
+      --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 2 --max-new-tokens 128 \
+      --variants-per-gpu ${VARIANTS_PER_GPU:-3} $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
+      $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
+      --out $REAL/recipe-${ROW:-lr}.json > $REAL/recipe-${ROW:-lr}.log 2>&1 &
+    sleep 60; grep -v -i warn $REAL/recipe-${ROW:-lr}.log | tail -8 ;;
+  recipe-wait)
+    r=$REAL/recipe-${ROW:-lr}
+    for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
+    cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null; grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
   fp8-quality)
     # issue 32 item 4, after real-setup: bf16 and fp8 drafters trained the same STEPS (no time budget: the cosine
     # runs over the steps, so both see one schedule) on the same regenerated shards, side by side on the GPU,
