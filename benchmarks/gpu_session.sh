@@ -25,9 +25,9 @@
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
 #   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch) of issue 33's recipe table, detached:
-#          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete)
-#   fp8-quality: after real-setup, issue 32's quality proof: bench quality with a bf16 and an fp8 variant trained
-#          the same STEPS (default 600) side by side, real τ and z-lab's τ of both (torchao from .whl)
+#          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
+#          ROW=fp8 is issue 32's quality proof: bf16 and fp8 drafters trained the same STEPS (default 600) side by
+#          side, real τ and z-lab's τ of both (torchao from .whl)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
@@ -157,7 +157,11 @@ case "${1:-tests}" in
       block) v="block-8:model.block_size=8 block-10:model.block_size=10 block-16:model.block_size=16" ;;
       loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
-      *) echo "ROW: optim lr anchors depth block loss arch"; exit 1 ;;
+      # issue 32 item 4: the same STEPS (no time budget: the cosine runs over the steps, one schedule for both)
+      fp8) v="bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600}
+              fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}"
+           python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
+      *) echo "ROW: optim lr anchors depth block loss arch fp8"; exit 1 ;;
     esac
     nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
       --work $REAL/quality --device cuda --prompts ${PROMPTS:-2000} --eval-prompts ${EVAL_PROMPTS:-16} \
@@ -170,19 +174,6 @@ case "${1:-tests}" in
     r=$REAL/recipe-${ROW:-lr}
     for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
     cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null; grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
-  fp8-quality)
-    # issue 32 item 4, after real-setup: bf16 and fp8 drafters trained the same STEPS (no time budget: the cosine
-    # runs over the steps, so both see one schedule) on the same regenerated shards, side by side on the GPU,
-    # each scored by flashdraft eval's loop at the curve points and by z-lab's dflash_generate at the end
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
-    PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
-      --device cuda --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-16} --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \
-      --curve-points 2 --max-new-tokens 128 --variants-per-gpu 2 \
-      $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
-      --variant bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600} \
-      --variant fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600} \
-      --out "$out/quality_h200_smollm2_fp8.json" > "$out/fp8_quality.log" 2>&1
-    grep -v -i warn "$out/fp8_quality.log" | grep -v "Loading weights\|Failed to load" | tail -30 ;;
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)
