@@ -108,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
 # Commands whose process ends without the interpreter's teardown once their work is done and written:
 # unloading torch and transformers took 6-17 s on the busy 2-core machine (0.4 s without it), a silent
-# wait after the last line (docs/newcomer-walk.md). Not `train` (the job: distributed teardown and the
-# checkpoint writer), nor `quickstart` and `bench` (they run a trainer in-process).
+# wait after the last line (docs/newcomer-walk.md). `train` returns after its checkpoint writer finished and
+# its process group was destroyed; skipping the teardown also keeps a gloo group that torch still holds (its
+# functional collectives keep references) from being freed during interpreter exit, where a rank can abort
+# (docs/distributed.md, "Shutting down"). Not `quickstart` and `bench`: they run a trainer in-process.
 QUICK_EXIT = frozenset(
-    {"convert", "prepare", "config", "init", "inspect", "eval", "export", "doctor", "launch"}
+    {"convert", "prepare", "config", "init", "inspect", "eval", "export", "doctor", "launch", "train"}
 )
 
 

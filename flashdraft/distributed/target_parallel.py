@@ -135,6 +135,18 @@ class GroupTarget(TargetModel):
         if not sharded:
             shard_layers(self.layers, mesh)
 
+    def close(self) -> None:
+        """Before the group is destroyed: drop the references to its process groups that flashdraft owns,
+        this object's and the registry of the mesh it was cut from (every DTensor parameter reaches that
+        mesh). torch's functional collectives keep more of their own, so `flashdraft train` also ends
+        without the interpreter's teardown (docs/distributed.md, "Shutting down"). The target cannot run
+        after this."""
+        self.__dict__.pop("group", None)
+        for mesh in (self.mesh, getattr(self.mesh, "_root_mesh", None)):
+            registry = getattr(mesh, "_pg_registry", None)
+            if registry is not None:
+                registry.clear()
+
     def _gather(self, tensor: Tensor, rows: int, length: int, fill: int) -> Tensor:
         """Every member's [b, s] tensor, padded to [rows, length] with `fill` and stacked in rank order."""
         padded = tensor.new_full((rows, length), fill)

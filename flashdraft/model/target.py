@@ -164,6 +164,10 @@ class TargetModel:
             )
         self.layer_ids = layer_ids
 
+    def close(self) -> None:
+        """Before the process group is destroyed: let go of whatever holds one of its groups (a whole target
+        holds none; `GroupTarget` does)."""
+
     @property
     def device(self) -> torch.device:
         return self.embed_weight.device

@@ -36,7 +36,7 @@ from flashdraft.distributed.topology import (
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import save_drafter
-from flashdraft.model.target import TargetModel  # noqa: F401 - re-exported: tests patch its loader here
+from flashdraft.model.target import TargetModel  # also re-exported: tests patch its loader here
 from flashdraft.progress import Progress
 from flashdraft.run_protocol import Heartbeat, resume_hint
 from flashdraft.train import compile_report
@@ -77,6 +77,7 @@ class Trainer:
     topo: Topology
     device: torch.device
     drafter: DFlashDraftModel  # the drafter itself: its parameters, its config
+    target: TargetModel  # frozen: the objective's features and head (closed before the group is destroyed)
     placement: Placement  # device, precision, compile; `.data_parallel.module` is what trains
     objective: Objective  # over what trains (the DDP wrapper, the FSDP shards or the drafter)
     eval_objective: Objective  # the main rank's replica, or the shards (a collective)
@@ -454,6 +455,7 @@ class Trainer:
             self.logger.close()
         barrier(self.topo)
         self.placement.data_parallel.close()  # DDP's reducer must not outlive the process group (a hang at exit)
+        self.target.close()  # nor a sharded target's mesh (an abort at exit)
         shutdown(self.topo)
         clock = self.state.clock
         return {
@@ -560,6 +562,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         topo=topo,
         device=run.device,
         drafter=run.drafter,
+        target=run.target,
         placement=placement,
         objective=objective,
         eval_objective=eval_objective,

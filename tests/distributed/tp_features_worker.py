@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from flashdraft.cli import exit_without_teardown
 from flashdraft.distributed.target_parallel import load_group_target
+from tests.group_holders import group_holders
 
 LAYER_IDS = [0, 2, 5]
 
@@ -29,21 +31,32 @@ def main(path: str, out: str, group_size: int) -> None:
     target = load_group_target(path, LAYER_IDS, torch.device("cpu"), group_size, dtype=torch.float32)
     features = target.features(**inputs(rank))
     sharded = [n for n, p in target.model.named_parameters() if isinstance(p, DTensor)]
-    torch.save(
-        {
-            "features": features,
-            "plain": type(features) is torch.Tensor,
-            "sharded": sharded,
-            "local_numel": sum(
-                p.to_local().numel() for p in target.model.parameters() if isinstance(p, DTensor)
-            ),
-            "full_numel": sum(p.numel() for p in target.model.parameters() if isinstance(p, DTensor)),
-            "embed_plain": type(target.embed_weight) is torch.nn.Parameter,
-            "head_plain": type(target.lm_head_weight) is torch.nn.Parameter,
-        },
-        f"{out}/rank{rank}.pt",
-    )
+    root = getattr(target.mesh, "_root_mesh", None) or target.mesh
+    held_before = {
+        "holders": group_holders(target.group),
+        "registered": len(getattr(root, "_pg_registry", {})),
+    }
+    group = target.group
+    target.close()  # as the trainer does before destroy_process_group (docs/distributed.md, "Shutting down")
+    held_after = {"holders": group_holders(group), "registered": len(getattr(root, "_pg_registry", {}))}
+    del group
+    record = {
+        "features": features,
+        "plain": type(features) is torch.Tensor,
+        "sharded": sharded,
+        "local_numel": sum(p.to_local().numel() for p in target.model.parameters() if isinstance(p, DTensor)),
+        "full_numel": sum(p.numel() for p in target.model.parameters() if isinstance(p, DTensor)),
+        "embed_plain": type(target.embed_weight) is torch.nn.Parameter,
+        "head_plain": type(target.lm_head_weight) is torch.nn.Parameter,
+        "held_before": held_before,
+        "held_after": held_after,
+    }
+    torch.save(record, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+    # torch's functional collectives (DTensor's) keep references to a group they ran on that outlive
+    # destroy_process_group, so it would be freed during interpreter exit, where a rank can abort: the
+    # worker ends as `flashdraft train` does (docs/distributed.md, "Shutting down").
+    exit_without_teardown(0)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ after it nothing outside torch's own registry does, and both ranks exit 0."""
 
 from __future__ import annotations
 
-import gc
 import json
 import multiprocessing
 import sys
@@ -25,6 +24,7 @@ from torch import nn
 
 from flashdraft.distributed.parallelize import apply_data_parallel
 from flashdraft.distributed.topology import Topology, shutdown
+from tests.group_holders import group_holders
 
 pytestmark = pytest.mark.slow
 
@@ -40,25 +40,14 @@ class _Layers(nn.Module):
         return x
 
 
-def _holders(group: dist.ProcessGroup) -> list[str]:
-    """The types of the objects whose attributes hold `group`, torch's registry of groups (`_World`) aside."""
-    owners = []
-    for referrer in gc.get_referrers(group):
-        if isinstance(referrer, dict):  # an instance's __dict__ (or a plain dict: then no owner)
-            owners += [o for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
-        elif hasattr(referrer, "__dict__"):  # an instance whose attributes live inline (Python >= 3.11)
-            owners.append(referrer)
-    return sorted(type(o).__name__ for o in owners if type(o).__name__ not in ("_World", "module"))
-
-
 def _rank(rank: int, store: str, out: str, kind: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     parallel = apply_data_parallel(_Layers(), kind, torch.device("cpu"), bf16_compute=False)
     parallel.module(torch.randn(3, 4)).sum().backward()
     dist.barrier()
-    before = _holders(dist.group.WORLD)
+    before = group_holders(dist.group.WORLD)
     parallel.close()
-    after = _holders(dist.group.WORLD)
+    after = group_holders(dist.group.WORLD)
     Path(out).write_text(json.dumps({"before": before, "after": after}))
     shutdown(Topology(rank, 2))
     sys.modules[__name__]._kept = parallel  # as the trainer's objects: alive until the process exits
