@@ -142,10 +142,14 @@ class GroupTarget(TargetModel):
         without the interpreter's teardown (docs/distributed.md, "Shutting down"). The target cannot run
         after this."""
         self.__dict__.pop("group", None)
-        for mesh in (self.mesh, getattr(self.mesh, "_root_mesh", None)):
-            registry = getattr(mesh, "_pg_registry", None)
-            if registry is not None:
-                registry.clear()
+        for registry in self.mesh_registries():
+            registry.clear()
+
+    def mesh_registries(self) -> list[dict]:
+        """The registries of process groups kept by the mesh and by the mesh it was cut from (torch's
+        DeviceMesh._pg_registry, where this torch has one)."""
+        meshes = (self.mesh, getattr(self.mesh, "_root_mesh", None))
+        return [r for r in (getattr(m, "_pg_registry", None) for m in meshes) if r is not None]
 
     def _gather(self, tensor: Tensor, rows: int, length: int, fill: int) -> Tensor:
         """Every member's [b, s] tensor, padded to [rows, length] with `fill` and stacked in rank order."""

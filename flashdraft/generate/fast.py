@@ -359,9 +359,13 @@ class FastEngine:
         by_kind = masks if isinstance(masks, dict) else {"full_attention": masks}
         return {**by_kind, "linear_attention": None}
 
+    def _bucketed(self, columns: int) -> int:
+        """`columns` rounded up to the bucket (split attention's alignment rule)."""
+        return -(-columns // self.bucket) * self.bucket
+
     def _visible(self, end: int) -> int:
         """The attended width for keys up to column `end` (exclusive), rounded up to the bucket."""
-        return min(self.width, -(-end // self.bucket) * self.bucket)
+        return min(self.width, self._bucketed(end))
 
     # -- the drafter's context cache -----------------------------------------------------------------
     def _context(self, features: Tensor, positions: Tensor, rows: slice | None = None) -> None:
@@ -663,9 +667,8 @@ class FastEngine:
         self.timing = {"steps": 0, "decode_s": 0.0, "prefill_s": 0.0, "capture_s": 0.0}  # this call's
         longest = max(p.shape[1] for p in prompts)
         with decoding_attention_kernels():
-            # a bucket multiple, so every attended width is one (split attention's alignment rule)
-            needed = max(longest + self.max_new + self.block, min_width)
-            width = -(-needed // self.bucket) * self.bucket
+            # a bucket multiple, so every attended width is one
+            width = self._bucketed(max(longest + self.max_new + self.block, min_width))
             if getattr(self, "width", None) != width:
                 self._allocate(width)  # new buffers: the graphs of the old ones are dropped
             started = self._sync()

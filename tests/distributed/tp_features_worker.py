@@ -25,20 +25,21 @@ def inputs(rank: int) -> dict[str, torch.Tensor | None]:
     return {"input_ids": torch.randint(0, 300, (1, 9), generator=g), "position_ids": positions}
 
 
+def _held(target, group: dist.ProcessGroup) -> dict:
+    """Who holds the group (gc's view) and how many groups the target's meshes still register."""
+    return {"holders": group_holders(group), "registered": sum(map(len, target.mesh_registries()))}
+
+
 def main(path: str, out: str, group_size: int) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     target = load_group_target(path, LAYER_IDS, torch.device("cpu"), group_size, dtype=torch.float32)
     features = target.features(**inputs(rank))
     sharded = [n for n, p in target.model.named_parameters() if isinstance(p, DTensor)]
-    root = getattr(target.mesh, "_root_mesh", None) or target.mesh
-    held_before = {
-        "holders": group_holders(target.group),
-        "registered": len(getattr(root, "_pg_registry", {})),
-    }
     group = target.group
+    held_before = _held(target, group)
     target.close()  # as the trainer does before destroy_process_group (docs/distributed.md, "Shutting down")
-    held_after = {"holders": group_holders(group), "registered": len(getattr(root, "_pg_registry", {}))}
+    held_after = _held(target, group)
     del group
     record = {
         "features": features,

@@ -213,8 +213,7 @@ def test_a_rollback_that_keeps_every_verified_position_writes_another_text(hybri
     """The negative control: with each row's linear states advanced over its whole block (no rollback),
     the fast engine's text leaves the target's greedy text."""
     engine = FastEngine(hybrid, table_drafter, NEW, rows=3)
-    needed = max(p.shape[1] for p in prompts) + NEW + BLOCK
-    engine._allocate(-(-needed // engine.bucket) * engine.bucket)  # the width generate() keeps
+    engine._allocate(engine._bucketed(max(p.shape[1] for p in prompts) + NEW + BLOCK))  # generate()'s width
     commit = engine.kv.commit
     engine.kv.commit = lambda kept: commit(torch.full_like(kept, BLOCK))
     wrong = engine.generate(prompts)
