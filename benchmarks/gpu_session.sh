@@ -5,8 +5,9 @@
 #   suite: the `gpu`-marked tests in three parallel groups, a log each in $OUT (~4 min; carry .gpu and .whl)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
-#   fp8:   torchao from WHL (default .whl), bench train shape (a) bf16 vs fp8 tensorwise/rowwise (the target's
-#          forward eager vs compiled inside it), the fp8 gpu tests (~6 min; BENCH_S, TESTS_S bound each part)
+#   fp8:   torchao from WHL (default .whl), bench train SHAPE (default a) bf16 vs fp8 FP8_RECIPES (default
+#          tensorwise; "tensorwise rowwise" for both), each also with the FP8 head (train.fp8_head), the target's
+#          forward eager vs compiled inside it, then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check,
@@ -26,8 +27,8 @@
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
 #   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch) of issue 33's recipe table, detached:
 #          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
-#          ROW=fp8 is issue 32's quality proof: bf16 and fp8 drafters trained the same STEPS (default 600) side by
-#          side, real τ and z-lab's τ of both (torchao from .whl)
+#          ROW=fp8 is issue 32's quality proof: bf16, fp8 and fp8 + FP8 head drafters trained the same STEPS
+#          (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
@@ -159,7 +160,8 @@ case "${1:-tests}" in
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
       # issue 32 item 4: the same STEPS (no time budget: the cosine runs over the steps, one schedule for both)
       fp8) v="bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600}
-              fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}"
+              fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}
+              fp8-head:train.precision=fp8,train.fp8_head=true,train.max_minutes=0,train.max_steps=${STEPS:-600}"
            python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
       *) echo "ROW: optim lr anchors depth block loss arch fp8"; exit 1 ;;
     esac
@@ -357,7 +359,9 @@ print('NVML:', gpu_usage())
     python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     python3 -c "import torch, torchao; from torchao.float8 import convert_to_float8_training; print('torchao', torchao.__version__, 'torch', torch.__version__, 'capability', torch.cuda.get_device_capability())" 2>&1 | grep -v "Failed to load" | tee "$out/fp8_import.txt"
-    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-recipe rowwise --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
+    timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape ${SHAPE:-a} --precision bf16 --precision fp8 \
+      $(for r in ${FP8_RECIPES:-tensorwise}; do printf -- '--fp8-recipe %s ' $r; done) --fp8-head \
+      --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
     python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;

@@ -274,6 +274,12 @@ class TrainConfig:
         "tensorwise",
         "With precision=fp8: one dynamic scale per tensor ('tensorwise') or per row ('rowwise').",
     )
+    fp8_head: bool = doc(
+        False,
+        "With precision=fp8: the loss's two GEMMs through the frozen LM head in FP8 too (e4m3 head and rows, "
+        "e5m2 logit gradients, one scale per tensor; the teacher's logits for kl/lk stay in the head's dtype: "
+        "docs/fp8.md).",
+    )
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
     compile: bool = doc(
         True, "torch.compile the drafter layers and loss on GPU (flex attention requires it)."
@@ -886,6 +892,11 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (
             t.fp8_recipe in ("tensorwise", "rowwise"),
             f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}",
+        ),
+        (
+            not t.fp8_head or t.precision == "fp8",
+            f"train.fp8_head needs train.precision=fp8 (the head's FP8 GEMMs run on the tensor cores the "
+            f"drafter's do), got train.precision={t.precision}",
         ),
         (
             t.precision != "fp8" or t.dtype != "fp32",

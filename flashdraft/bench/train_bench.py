@@ -7,8 +7,9 @@ the work needs, train/flops.py), MFU against the 989 TFLOP/s datasheet peak and 
 matmul ceiling (docs/benchmarks.md), target ms, peak memory, and where the drafter step's time goes,
 timed with CUDA events around the real objective's own calls.
 
-`--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise]` runs each drafter
-precision in turn on the same target and reports each against bf16 (docs/fp8.md). Before the drafter
+`--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise] [--fp8-head]` runs each
+drafter precision in turn on the same target and reports each against bf16 (docs/fp8.md); `--fp8-head` adds,
+after each FP8 variant, the same with the loss's head GEMMs in FP8 too (train.fp8_head). Before the drafter
 steps, the target's feature forward is timed eager and then, unless `--no-compile-target` (as the trainer's
 train.compile_target, on by default), with its decoder layers compiled, against its GEMM floor; the drafter
 steps then run beside the compiled target, as `flashdraft train` does.
@@ -49,7 +50,7 @@ from flashdraft.bench.shapes import (
 from flashdraft.config import TrainConfig
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.compile_workers import start_compile_workers
-from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS
+from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS, float8_head
 from flashdraft.distributed.parallelize import compile_target, parallelize
 from flashdraft.durable import atomic_directory, free_bytes
 from flashdraft.errors import FlashdraftError
@@ -145,6 +146,7 @@ def _build_drafter_step(
     master_weights: bool,
     precision: str,
     fp8_recipe: str,
+    fp8_head: bool = False,
 ) -> _DrafterStep:
     """A fresh drafter (block 16, on the target's layer ids) placed on the GPU, its objective and optimizer."""
     config = make_drafter_config(
@@ -166,7 +168,11 @@ def _build_drafter_step(
         precision=precision,
         fp8_recipe=fp8_recipe,
     )
-    loss_fn = WeightedHeadLoss(chunk=loss_chunk, compile=placement.compiled)
+    loss_fn = WeightedHeadLoss(
+        chunk=loss_chunk,
+        head=float8_head(target.lm_head_weight) if fp8_head else None,
+        compile=placement.compiled,
+    )
     objective = Objective(
         drafter,
         target,
@@ -264,6 +270,7 @@ def run_shape(
     master_weights: bool = True,
     precision: str = "bf16",
     fp8_recipe: str = "tensorwise",
+    fp8_head: bool = False,
 ) -> dict:
     """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled."""
     shape = SHAPES[name]
@@ -278,6 +285,7 @@ def run_shape(
         master_weights=master_weights,
         precision=precision,
         fp8_recipe=fp8_recipe,
+        fp8_head=fp8_head,
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
@@ -286,7 +294,7 @@ def run_shape(
         "shape": name,
         **shape,
         "compiled": compile,
-        "precision": precision if precision == "bf16" else f"fp8-{fp8_recipe}",
+        "precision": variant_name(precision, fp8_recipe, fp8_head),
         "master_weights": master_weights,
         "loss_chunk": loss_chunk,
         "attention": step.placement.attention,
@@ -430,6 +438,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --precision fp8: train.fp8_recipe (repeat to compare; default tensorwise)",
     )
     parser.add_argument(
+        "--fp8-head",
+        action="store_true",
+        help="after each --precision fp8 variant, the same with train.fp8_head (the loss's head GEMMs in FP8)",
+    )
+    parser.add_argument(
         "--compile-target",
         action=argparse.BooleanOptionalAction,
         default=TrainConfig.compile_target,
@@ -440,15 +453,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _variants(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The drafter precisions to run, as (precision, fp8 recipe), each once, in the order given."""
-    return [
-        (precision, recipe)
-        for precision in dict.fromkeys(args.precision or ["bf16"])
-        for recipe in (
-            dict.fromkeys(args.fp8_recipe or ["tensorwise"]) if precision == "fp8" else ["tensorwise"]
-        )
-    ]
+def variant_name(precision: str, fp8_recipe: str, fp8_head: bool) -> str:
+    """A result's `precision`: bf16, fp8-tensorwise, fp8-rowwise+head, ..."""
+    if precision == "bf16":
+        return "bf16"
+    return f"fp8-{fp8_recipe}" + ("+head" if fp8_head else "")
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """The drafter precisions to run, as (precision, fp8 recipe, fp8 head), each once, in the order given."""
+    variants = []
+    for precision in dict.fromkeys(args.precision or ["bf16"]):
+        if precision != "fp8":
+            variants.append((precision, "tensorwise", False))
+            continue
+        for recipe in dict.fromkeys(args.fp8_recipe or ["tensorwise"]):
+            variants += [(precision, recipe, head) for head in ((False, True) if args.fp8_head else (False,))]
+    return variants
 
 
 def _against_bf16(result: dict, results: list[dict]) -> None:
@@ -464,7 +485,7 @@ def _against_bf16(result: dict, results: list[dict]) -> None:
 
 def _print_header() -> None:
     print(
-        f"{'shape':5} {'precision':>15} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} "
+        f"{'shape':5} {'precision':>19} {'target ms':>9} {'drafter ms':>10} {'TFLOP/step':>10} {'TFLOP/s':>8} "
         f"{'MFU989':>7} {'MFU789':>7} {'samp/s':>7} {'peak GiB':>8}",
         flush=True,
     )
@@ -473,7 +494,7 @@ def _print_header() -> None:
 def _print_result(r: dict) -> None:
     """One variant's row under the header, and its breakdown line."""
     print(
-        f"{r['shape']:5} {r['precision']:>15} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
+        f"{r['shape']:5} {r['precision']:>19} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
         f"{r['drafter_tflop_per_step']:10.2f} {r['drafter_tflops_achieved']:8.1f} "
         f"{r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
         f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}",
@@ -517,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_header()
     results = report["results"]
     for name in shape_names:
-        for precision, recipe in variants:
+        for precision, recipe, fp8_head in variants:
             r = run_shape(
                 name,
                 target,
@@ -530,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                 master_weights=not args.no_master_weights,
                 precision=precision,
                 fp8_recipe=recipe,
+                fp8_head=fp8_head,
             )
             torch.cuda.empty_cache()
             _against_bf16(r, results)

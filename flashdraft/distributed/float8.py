@@ -8,6 +8,12 @@ does the same for both gradient GEMMs. The weights stay bf16 parameters, so the 
 weights, gradient clipping and checkpoints see the drafter they always see, and the state dict keeps its
 keys. The drafter's fused projections (q/k/v, gate/up: model/drafter.py::fused_linear) take the converted
 layer's GEMM from its `fused_gemm` attribute, set here.
+
+`train.fp8_head` also runs the loss's two GEMMs through the frozen LM head in FP8 (`Float8Head`, a
+`train/loss.py::HeadGemm`): the head is cast to e4m3 once (it does not train), each chunk's rows to e4m3
+and the logits' gradient to e5m2, one dynamic scale per tensor, through `torch._scaled_mm` (the call
+torchao's float8 GEMMs make; torchao's Float8Linear is built for a trained weight under autograd, which
+this head, outside autograd, is not).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ PRECISIONS = ("bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")
 INSTALL_HINT = "pip install 'flashdraft[fp8]'"
 GEMM_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each weight to be multiples of 16
+HEAD_CAST_SLICE_BYTES = 128 << 20  # the head is cast in slices of this many fp32 bytes (see Float8Head)
 
 
 def check_float8_device(device: torch.device) -> None:
@@ -104,3 +111,86 @@ def convert_to_float8(
         if isinstance(module, float8_linear):
             module.fused_gemm = functools.partial(_float8_gemm, layer=module, apply=matmul.apply)
     return converted
+
+
+def _to_float8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`x` cast to `dtype` with one dynamic scale (its amax onto the format's largest value), and the
+    inverse scale `torch._scaled_mm` multiplies the product by."""
+    largest = torch.finfo(dtype).max
+    scale = largest / x.abs().amax().float().clamp(min=1e-12)
+    return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+
+
+class Float8Head:
+    """The loss's two GEMMs through the frozen LM head on FP8 tensor cores (`train.fp8_head`): the logits,
+    rows (e4m3) x head (e4m3), and the rows' gradient, the logits' gradient (e5m2, for its range) x head.
+    Both outputs are bf16, as the plain head's are. The head is cast once per change of its tensor (it is
+    frozen, so once a run), outside the compiled chunk function, into two e4m3 copies: [V, H] and its
+    transpose, so each GEMM reads its second operand column-major as `_scaled_mm` needs. `emulate` runs the
+    same casts with fp32 GEMMs (the CPU tests)."""
+
+    def __init__(self, *, emulate: bool = False, slice_bytes: int = HEAD_CAST_SLICE_BYTES):
+        self.emulate = emulate
+        self.slice_bytes = slice_bytes
+        self.casts = 0  # how often the head was cast (a test reads it)
+        self._key: tuple | None = None
+        self._operands: tuple[Tensor, ...] = ()
+
+    @staticmethod
+    def check_head(weight: Tensor) -> None:
+        """Refuse a head whose dimensions `_scaled_mm` cannot take (each a multiple of 16)."""
+        vocab, hidden = weight.shape
+        if vocab % GEMM_MULTIPLE or hidden % GEMM_MULTIPLE:
+            raise FlashdraftError(
+                f"train.fp8_head needs the target's LM head dimensions to be multiples of {GEMM_MULTIPLE} "
+                f"(the FP8 GEMM's), got vocabulary {vocab} x hidden {hidden}: set train.fp8_head=false"
+            )
+
+    @torch.no_grad()
+    def operands(self, weight: Tensor) -> tuple[Tensor, ...]:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, weight.device)
+        if key != self._key:
+            self.check_head(weight)
+            self._operands, self._key = self._cast(weight), key
+            self.casts += 1
+        return self._operands
+
+    def _cast(self, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(head e4m3 [V, H], its transpose e4m3 [H, V], the inverse scale), cast slice by slice: a whole
+        fp32 copy of a 152k x 4096 head would add 2.5 GB to the first step's peak."""
+        vocab, hidden = weight.shape
+        step = max(1, self.slice_bytes // (4 * hidden))
+        amax = torch.stack([weight[i : i + step].abs().amax().float() for i in range(0, vocab, step)]).amax()
+        dtype, largest = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+        scale = largest / amax.clamp(min=1e-12)
+        head = torch.empty(vocab, hidden, dtype=dtype, device=weight.device)
+        head_t = torch.empty(hidden, vocab, dtype=dtype, device=weight.device)
+        for i in range(0, vocab, step):
+            part = (weight[i : i + step].float() * scale).clamp(-largest, largest).to(dtype)
+            head[i : i + step] = part
+            head_t[:, i : i + step] = part.t()
+        return head, head_t, scale.reciprocal()
+
+    def _mm(self, a: Tensor, b: Tensor, a_inverse: Tensor, b_inverse: Tensor) -> Tensor:
+        if self.emulate:
+            return ((a.float() @ b.float()) * (a_inverse * b_inverse)).to(torch.bfloat16)
+        return torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, out_dtype=torch.bfloat16)
+
+    def logits(self, rows: Tensor, weight: Tensor, operands: tuple[Tensor, ...]) -> Tensor:
+        head, _, head_inverse = operands
+        rows8, rows_inverse = _to_float8(rows, torch.float8_e4m3fn)
+        return self._mm(rows8, head.t(), rows_inverse, head_inverse)
+
+    def input_grad(
+        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+    ) -> Tensor:
+        _, head_t, head_inverse = operands
+        grad8, grad_inverse = _to_float8(grad_logits, torch.float8_e5m2)
+        return self._mm(grad8, head_t.t(), grad_inverse, head_inverse).to(dtype)
+
+
+def float8_head(weight: Tensor) -> Float8Head:
+    """The FP8 head GEMMs for the head `weight`, checked now: a head the FP8 GEMM cannot take is refused
+    before the first step, not in it."""
+    Float8Head.check_head(weight)
+    return Float8Head()

@@ -14,12 +14,17 @@ loss w.r.t. its hidden row is computed in the same pass. Row weights come after 
 is linear in them, so D-PACE's weights, which need every row's probability first, cost no second pass.
 With a 152k vocabulary and 8k block positions, full fp32 logits would be ~5 GB; a 1024-row chunk holds
 ~0.6 GB (twice that for kl/lk).
+
+The chunk's two GEMMs through the head (the logits, and the gradient back to the hidden rows) go through a
+`HeadGemm`: `PlainHead` in the head's own dtype, or `distributed/float8.py::Float8Head` on FP8 tensor
+cores (`train.fp8_head`, docs/fp8.md). The teacher's logits (kl/lk) always use the head as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +46,43 @@ class HeadRows:
     topk_ids: Tensor  # [n, k] their token ids
 
 
+class HeadGemm(Protocol):
+    """The chunk function's two products with the frozen head `weight` [V, H]. `operands` are tensors made
+    from the head once, outside the compiled function (an FP8 copy, its scale), passed in by `rows`."""
+
+    def operands(self, weight: Tensor) -> tuple[Tensor, ...]:
+        """What `logits` and `input_grad` read besides the head itself (cached while the head is unchanged)."""
+        ...
+
+    def logits(self, rows: Tensor, weight: Tensor, operands: tuple[Tensor, ...]) -> Tensor:
+        """rows [n, H] @ weight.T -> [n, V]."""
+        ...
+
+    def input_grad(
+        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+    ) -> Tensor:
+        """grad_logits [n, V] (fp32) @ weight -> [n, H] in `dtype`."""
+        ...
+
+
+class PlainHead:
+    """Both GEMMs in the head's own dtype (bf16 on a GPU, fp32 on the CPU)."""
+
+    def operands(self, weight: Tensor) -> tuple[Tensor, ...]:
+        return ()
+
+    def logits(self, rows: Tensor, weight: Tensor, operands: tuple[Tensor, ...]) -> Tensor:
+        return F.linear(rows, weight)
+
+    def input_grad(
+        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+    ) -> Tensor:
+        return grad_logits.to(dtype) @ weight
+
+
+PLAIN_HEAD = PlainHead()
+
+
 def chunk_rows(
     hidden: Tensor,
     weight: Tensor,
@@ -50,10 +92,12 @@ def chunk_rows(
     loss: str,
     lk_eta: float,
     top_k: int,
+    gemm: HeadGemm = PLAIN_HEAD,
+    gemm_operands: tuple[Tensor, ...] = (),
 ):
     """Per-row loss, q(label), argmax correctness, unit-weight gradient and top-k of one chunk
     (compiled on GPU). `teacher` holds the target's final hidden rows that predict the same tokens."""
-    logits = F.linear(hidden, weight).float()
+    logits = gemm.logits(hidden, weight, gemm_operands).float()
     if multiplier != 1.0:
         logits = logits * multiplier
     log_q = torch.log_softmax(logits, dim=-1)
@@ -77,7 +121,7 @@ def chunk_rows(
             grad_tv = q * ((below * q).sum(-1, keepdim=True) - below)
             row_loss = lam * kl + (1 - lam) * (1 - acceptance)
             grad_logits = lam[:, None] * grad_kl + (1 - lam)[:, None] * grad_tv
-    grad = (grad_logits * multiplier).to(hidden.dtype) @ weight
+    grad = gemm.input_grad(grad_logits * multiplier, weight, gemm_operands, hidden.dtype)
     correct = logits.argmax(dim=-1) == labels
     if top_k > 0:
         topk_values, topk_ids = logits.topk(top_k, dim=-1, sorted=False)
@@ -135,7 +179,8 @@ class WeightedHeadLoss:
     `distributed/parallelize.py` and the optimizer's update by `train/optim.py`.
 
     `loss` is 'ce', 'kl' or 'lk' (kl and lk need the target's final hidden rows, `teacher`); `top_k` > 0
-    also returns each row's top-k logits (the DFlash2 selector's candidates)."""
+    also returns each row's top-k logits (the DFlash2 selector's candidates); `head` does the two GEMMs
+    through the head (default `PlainHead`)."""
 
     def __init__(
         self,
@@ -145,6 +190,7 @@ class WeightedHeadLoss:
         loss: str = "ce",
         lk_eta: float = 3.0,
         top_k: int = 0,
+        head: HeadGemm | None = None,
         compile: bool = False,
     ):
         if loss not in LOSSES:
@@ -154,6 +200,7 @@ class WeightedHeadLoss:
         self.loss = loss
         self.lk_eta = lk_eta
         self.top_k = top_k
+        self.head: HeadGemm = PLAIN_HEAD if head is None else head
         self.compiled = compile
         self.chunk_fn: Callable = torch.compile(chunk_rows, fullgraph=True) if compile else chunk_rows
 
@@ -175,6 +222,7 @@ class WeightedHeadLoss:
         grad = torch.empty_like(hidden)
         topk_values = torch.empty(n, self.top_k, dtype=torch.float32, device=hidden.device)
         topk_ids = torch.empty(n, self.top_k, dtype=torch.long, device=hidden.device)
+        gemm_operands = self.head.operands(head_weight)
         # No padding to whole chunks (it cost ~6% of the head's FLOPs). Compiled, full chunks and the
         # remainder run one graph, dynamic in its rows only: a static graph for full chunks and a dynamic one
         # for the remainder would both compile in the first step, which a user waits for (on the CPU's
@@ -198,6 +246,8 @@ class WeightedHeadLoss:
                 self.loss,
                 self.lk_eta,
                 self.top_k,
+                self.head,
+                gemm_operands,
             )
             for buffer, value in zip((loss, prob, correct, grad, topk_values, topk_ids), out, strict=True):
                 buffer[start:end] = value

@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from flashdraft.config import Config, TrainConfig, to_dict
+from flashdraft.distributed.float8 import float8_head
 from flashdraft.distributed.parallelize import Placement, full_state_dicts, pad_multiple, unsharded_copy
 from flashdraft.distributed.roles import StepHooks
 from flashdraft.distributed.topology import (
@@ -507,6 +508,7 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         multiplier=spec.output_multiplier,
         loss=t.loss,
         lk_eta=t.lk_eta,
+        head=float8_head(run.target.lm_head_weight) if t.fp8_head else None,
         compile=placement.compiled,
     )
     objective = bind_objective(parallel.module, run.target, t, loss, placement)

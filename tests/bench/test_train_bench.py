@@ -138,3 +138,21 @@ def test_checkpoint_report_names_what_it_lacks():
     report = train_bench.checkpoint_report([line], {2: 0.1, 3: 0.3}, [0.9], 4)
     assert report["writes"] == [{"step": 4, "bytes": 12_500_000, "write_s": 1.25, "copy_s": 0.5}]
     assert report["plain_step_seconds_median"] == 0.2 and report["checkpoint_step_extra_seconds"] == 0.7
+
+
+def test_the_precision_variants_each_once_with_the_fp8_head_after_each_fp8_recipe():
+    parse = train_bench._parser().parse_args
+    args = parse(["--precision", "bf16", "--precision", "fp8", "--fp8-recipe", "tensorwise"])
+    assert train_bench._variants(args) == [("bf16", "tensorwise", False), ("fp8", "tensorwise", False)]
+    precisions = ["--precision", "bf16", "--precision", "fp8", "--precision", "fp8"]
+    args = parse([*precisions, "--fp8-recipe", "tensorwise", "--fp8-recipe", "rowwise", "--fp8-head"])
+    variants = train_bench._variants(args)
+    assert variants == [
+        ("bf16", "tensorwise", False),
+        ("fp8", "tensorwise", False),
+        ("fp8", "tensorwise", True),
+        ("fp8", "rowwise", False),
+        ("fp8", "rowwise", True),
+    ]
+    names = [train_bench.variant_name(*v) for v in variants]
+    assert names == ["bf16", "fp8-tensorwise", "fp8-tensorwise+head", "fp8-rowwise", "fp8-rowwise+head"]
