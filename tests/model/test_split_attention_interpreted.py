@@ -3,7 +3,7 @@ interpreter (TRITON_INTERPRET=1, in a child process: the variable takes effect w
 defined): fp32 attention against a dense per-head reference, for one query and a block, ragged rows,
 head dims that are not powers of two or are below 16, masks with holes, and a width past the combine's
 chunk count (chunks doubled); and the order rule, bit for bit: a wider cache of masked columns, and a
-token decoded alone rather than in a block, give the same output. The GPU numbers (bf16, compiled,
+token decoded alone rather than first in a block, give the same output. The GPU numbers (bf16, compiled,
 replayed from a CUDA graph) are tests/model/test_split_attention_gpu.py's."""
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ CHILD = textwrap.dedent(
     wide = split_attention(q, wide_k, wide_v, additive(wide_allowed), 0.125)
     assert torch.equal(wide, narrow), float((wide - narrow).abs().max())
 
-    # one token decoded alone: the bits it gets as the fourth token of a block
-    alone = split_attention(q[:, :, 3:4], k, v, additive(allowed[:, :, 3:4]), 0.125)
-    assert torch.equal(alone[:, 0], narrow[:, 3]), float((alone[:, 0] - narrow[:, 3]).abs().max())
+    # one token decoded alone: the bits it gets as the first token of a block. The first, not a later one:
+    # the interpreter's tl.dot is numpy's BLAS, whose bits for a row can depend on the row's place in the
+    # tile (OpenBLAS 0.3.31's Haswell kernel on an AVX2 CPU: 34 of 64 places differ from place 0), so the
+    # token keeps its rows here; the GPU test moves it (tests/model/test_split_attention_gpu.py).
+    alone = split_attention(q[:, :, :1], k, v, additive(allowed[:, :, :1]), 0.125)
+    assert torch.equal(alone[:, 0], narrow[:, 0]), float((alone[:, 0] - narrow[:, 0]).abs().max())
     print("interpreted: ok")
     """
 )
