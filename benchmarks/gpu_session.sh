@@ -27,8 +27,8 @@
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
 #   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch) of issue 33's recipe table, detached:
 #          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
-#          ROW=fp8 is issue 32's quality proof: bf16, fp8 and fp8 + FP8 head drafters trained the same STEPS
-#          (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
+#          ROW=fp8 is issue 32's quality proof: bf16 (two seeds), fp8 and fp8 + FP8 head drafters trained the
+#          same STEPS (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
 #   realtrain: after real-setup, the host-thread probe, `prepare --regenerate` on cuda:0 (timed), bench train
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
@@ -72,6 +72,9 @@
 #          steps: a checkpointing step's time against a plain step's, the background write's own seconds and
 #          bytes (~15 GB with fp32 masters and moments; spaced so that a save never waits on the write
 #          before it) -> $OUT/ckpt_h200.json (~4 min, most of it the random target's save and the compile)
+# Detached parts (race, recipe) start their job with setsid: the device machine kills every process a call
+# leaves behind in its session when the call returns (SIGKILL: no log line). nohup alone lost a whole
+# ROW=fp8 recipe that way (stop 48).
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
@@ -101,7 +104,7 @@ case "${1:-tests}" in
   race)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/specforge-*.whl || exit 1
     case "${TARGET:-smollm2}" in smollm2) tdir=$REAL/smollm2 ;; gemma3) tdir=$REAL/gemma3 ;; *) echo "TARGET?"; exit 1 ;; esac
-    nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
+    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
       --target $tdir --work $REAL/race-${TARGET:-smollm2} --device cuda --prompts 2000 --eval-prompts 16 \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 4 --max-new-tokens 128 --drafter-layers 2 \
       --block-size 8 --out $REAL/race-${TARGET:-smollm2}.json > $REAL/race-${TARGET:-smollm2}.log 2>&1 &
@@ -147,7 +150,7 @@ case "${1:-tests}" in
     grep -v -i warn "$out/recipe_optim.log" | grep -v "Loading weights" | tail -30 ;;
   recipe)
     # issue 33's recipe table, after real-setup, detached (a 5-minute budget with its evaluations outlives a call):
-    # one ROW of variants, VARIANTS_PER_GPU (default 3) at once on the GPU, each MINUTES (default 5) of training
+    # one ROW of variants, VARIANTS_PER_GPU (default: all of the row's) at once on the GPU, each MINUTES (default 5) of training
     # at bench quality's defaults (5 layers, block 16) on the same data (prepared once, reused by later rows);
     # then recipe-wait. Every variant spells out the setting it tests, so a default changed later keeps the row.
     case "${ROW:-lr}" in
@@ -159,23 +162,27 @@ case "${1:-tests}" in
       loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
       # issue 32 item 4: the same STEPS (no time budget: the cosine runs over the steps, one schedule for both)
+      # and a second bf16 seed: the spread FP8's gap is measured against
       fp8) v="bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600}
+              bf16-seed1:train.precision=bf16,train.seed=1,train.max_minutes=0,train.max_steps=${STEPS:-600}
               fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}
               fp8-head:train.precision=fp8,train.fp8_head=true,train.max_minutes=0,train.max_steps=${STEPS:-600}"
            python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
       *) echo "ROW: optim lr anchors depth block loss arch fp8"; exit 1 ;;
     esac
-    nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
+    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
       --work $REAL/quality --device cuda --prompts ${PROMPTS:-2000} --eval-prompts ${EVAL_PROMPTS:-16} \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 2 --max-new-tokens 128 \
-      --variants-per-gpu ${VARIANTS_PER_GPU:-3} $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
-      $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
+      --variants-per-gpu ${VARIANTS_PER_GPU:-$(echo $v | wc -w)} \
+      $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
       --out $REAL/recipe-${ROW:-lr}.json > $REAL/recipe-${ROW:-lr}.log 2>&1 &
     sleep 60; grep -v -i warn $REAL/recipe-${ROW:-lr}.log | tail -8 ;;
   recipe-wait)
     r=$REAL/recipe-${ROW:-lr}
     for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
-    cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null; grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
+    cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null
+    for v in $REAL/quality/variants/*/; do cp $v/run/metrics.jsonl "$out/recipe_metrics_$(basename $v).jsonl" 2>/dev/null; done
+    grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off
     # (issue 12's `bench train --data` on real shards; why bench quality's steps took ~0.6 s each)

@@ -380,16 +380,17 @@ def run_eval(
     plot_path: str | None = None,
     console: Console | None = None,
     force: bool = False,
-    plain_runs: list[Generation] | None = None,
+    plain_runs: dict[str, list[Generation]] | None = None,
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Outputs, device and prompts are all checked before a model loads (docs/inputs-and-outputs.md): an
     existing --out / --plot is overwritten only when flashdraft eval wrote it, or with `force`.
 
-    `plain_runs`: plain decoding of these prompts by an earlier greedy call with the same target, prompts
-    and settings (`bench quality` evaluates several checkpoints of one drafter). Empty, it is filled; filled,
-    its outputs and timings stand in for plain decoding, which greedy makes identical and which no drafter
-    changes. Sampled decoding ignores it: there every run draws its own seeded stream.
+    `plain_runs`: plain decoding of these prompts by earlier greedy calls with the same target, prompts
+    and settings (`bench quality` evaluates several checkpoints of one drafter), by decoding loop (eager,
+    fast): a loop's list, empty, is filled; filled, its outputs and timings stand in for plain decoding,
+    which greedy makes identical and which no drafter changes. Keyed by loop because the speedup must
+    compare one loop with itself. Sampled decoding ignores it: there every run draws its own seeded stream.
 
     Sampled, prompt i's speculative and plain runs each draw from a generator seeded with
     `sampling.seed + i`, on either engine, so a prompt's tokens do not depend on the other prompts or the
@@ -408,15 +409,16 @@ def run_eval(
     dtype = DTYPES.get(settings.dtype) or default_dtype(dev)
     state = _EvalState(target_dir, drafter_dir, prompts, settings, dev, dtype)
     drafter, target = _load(state)
-    reuse = plain_runs is not None and settings.sampling.temperature == 0
-    state.reused = reuse and len(plain_runs) == len(state.encoded)
     state.decoder = _decoder_record(settings, target, drafter)
+    reuse = plain_runs is not None and settings.sampling.temperature == 0
+    same_loop = plain_runs.setdefault(state.decoder["engine"], []) if reuse else None
+    state.reused = reuse and len(same_loop) == len(state.encoded)
     if "note" in state.decoder:
         console.print(f"note: {state.decoder['note']}", highlight=False)
     _decode_up_front(state, target, drafter)
-    spec, plain, divergences = _decode_prompts(state, target, drafter, plain_runs, out, console)
+    spec, plain, divergences = _decode_prompts(state, target, drafter, same_loop, out, console)
     if reuse and not state.reused:
-        plain_runs[:] = plain
+        same_loop[:] = plain
     report = _described(acceptance_report(spec, plain, state.block), state)
     simulated = simulated_tau(drafter_dir)
     if simulated is not None:  # training's teacher-forced estimate of the same checkpoint, to compare

@@ -3,6 +3,7 @@ beside real τ in `flashdraft eval`."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import itertools
 import json
@@ -345,9 +346,11 @@ def test_plain_decoding_is_run_once_across_checkpoints_when_greedy(
             console=console, plain_runs=plain_runs,
         )  # fmt: skip
 
-    shared: list = []
+    shared: dict = {}
     a = evaluate_at(first, shared)
-    assert len(plain_calls) == 3 and len(shared) == 2 and a["plain_decoding"] == "run"  # warm-up + 2
+    # warm-up + 2, kept under the loop that decoded them (a speedup compares one loop with itself)
+    assert len(plain_calls) == 3 and list(shared) == ["eager"] and len(shared["eager"]) == 2
+    assert a["plain_decoding"] == "run"
     b = evaluate_at(last, shared)
     assert len(plain_calls) == 3 and b["plain_decoding"].startswith("reused")
     assert b["baseline_tokens_per_s"] == a["baseline_tokens_per_s"]
@@ -384,12 +387,28 @@ def tiny_quality_argv(
 
 
 @pytest.mark.slow
-def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau(chain_target, tmp_path):
+def test_bench_quality_on_a_tiny_target_writes_a_curve_of_real_and_simulated_tau(
+    chain_target, tmp_path, monkeypatch
+):
+    from flashdraft.bench import quality
     from flashdraft.cli import main
 
+    asked = []  # (engine asked for, the plain runs' loops before the call) per curve point
+
+    def recording(*args, plain_runs=None, **kwargs):
+        asked.append((args[3].engine, sorted(plain_runs)))
+        return real_run_eval(*args, plain_runs=plain_runs, **kwargs)
+
+    real_run_eval = quality.run_eval
+    monkeypatch.setattr(quality, "run_eval", recording)
     out = tmp_path / "quality.json"
     argv = tiny_quality_argv(chain_target, tmp_path / "work", out, 24, 3, "0.04", 16)
     assert main(["bench", "quality", *argv]) == 0
+    # the points before the last on eval's default loop (fast on a GPU), the last beside z-lab's loop when
+    # installed; plain decoding once per loop (here, on the CPU, both are the eager loop)
+    zlab = importlib.util.find_spec("dflash") is not None
+    assert [engine for engine, _ in asked] == ["auto"] * (len(asked) - 1) + ["zlab" if zlab else "auto"]
+    assert [loops for _, loops in asked][1:] == [["eager"]] * (len(asked) - 1)
     result = json.loads(out.read_text())
     assert result["producer"] == "flashdraft bench quality" and result["command"].startswith(
         "flashdraft bench quality"
