@@ -113,12 +113,21 @@ def convert_to_float8(
     return converted
 
 
+def _float8_scale(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    """The dynamic scale that puts a tensor's amax onto `dtype`'s largest value."""
+    return torch.finfo(dtype).max / amax.float().clamp(min=1e-12)
+
+
+def _scaled_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    largest = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-largest, largest).to(dtype)
+
+
 def _to_float8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`x` cast to `dtype` with one dynamic scale (its amax onto the format's largest value), and the
     inverse scale `torch._scaled_mm` multiplies the product by."""
-    largest = torch.finfo(dtype).max
-    scale = largest / x.abs().amax().float().clamp(min=1e-12)
-    return (x.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
+    scale = _float8_scale(x.abs().amax(), dtype)
+    return _scaled_cast(x, scale, dtype), scale.reciprocal()
 
 
 class Float8Head:
@@ -161,12 +170,12 @@ class Float8Head:
         vocab, hidden = weight.shape
         step = max(1, self.slice_bytes // (4 * hidden))
         amax = torch.stack([weight[i : i + step].abs().amax().float() for i in range(0, vocab, step)]).amax()
-        dtype, largest = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
-        scale = largest / amax.clamp(min=1e-12)
+        dtype = torch.float8_e4m3fn
+        scale = _float8_scale(amax, dtype)
         head = torch.empty(vocab, hidden, dtype=dtype, device=weight.device)
         head_t = torch.empty(hidden, vocab, dtype=dtype, device=weight.device)
         for i in range(0, vocab, step):
-            part = (weight[i : i + step].float() * scale).clamp(-largest, largest).to(dtype)
+            part = _scaled_cast(weight[i : i + step], scale, dtype)
             head[i : i + step] = part
             head_t[:, i : i + step] = part.t()
         return head, head_t, scale.reciprocal()
