@@ -312,8 +312,9 @@ print(w('$REAL/prompts_large.jsonl', '$REAL/prompts_large_eval.jsonl', ${REGEN_P
   suite)
     # the whole `gpu` suite in three groups at once (~4 min wall on one H200 instead of ~8 in one run), each
     # into its own log under $OUT (never through a pipe: a timeout then loses nothing); G3 is every other
-    # gpu-marked file, so a new one is never left out. The wheels (.whl: dflash, torchao, gguf) carried.
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/dflash-*.whl .whl/torchao-*.whl .whl/gguf-*.whl
+    # gpu-marked file, so a new one is never left out. The wheels (.whl: dflash, torchao, gguf, specforge) carried.
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/dflash-*.whl .whl/torchao-*.whl .whl/gguf-*.whl \
+      .whl/specforge-*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     g1="tests/gpu/test_gpu_training.py tests/run/test_gpu_usage.py"
     g2="tests/gpu/test_fp8.py tests/train/test_real_eval.py tests/train/test_checkpoint_writer.py tests/model/test_dflash2_gpu.py"

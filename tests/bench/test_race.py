@@ -26,12 +26,25 @@ def _sha256(path) -> str:
 @pytest.mark.slow
 @needs_specforge
 def test_the_race_trains_both_from_the_same_weights_and_scores_both_alike(tmp_path):
+    _race_on_a_tiny_target(tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+@needs_specforge
+def test_the_race_on_a_gpu(tmp_path):
+    """The GPU path of both sides: SpecForge's flex attention and bf16, flashdraft's compiled step, the
+    fast engine for the curve's first point (the race had never run on a GPU before a device session)."""
+    _race_on_a_tiny_target(tmp_path, "cuda")
+
+
+def _race_on_a_tiny_target(tmp_path: Path, device: str) -> None:
     from flashdraft.cli import main
     from flashdraft.model.drafter_dir import load_drafter
 
     target = save_chain_target(tmp_path / "target")
     work, out = tmp_path / "work", tmp_path / "race.json"
     argv = tiny_quality_argv(target, work, out, 16, 2, "0.03", 12)
+    argv[argv.index("--device") + 1] = device
     assert main(["bench", "quality", *argv, "--against", "specforge"]) == 0
     result = json.loads(out.read_text())
     assert list(result["variants"]) == ["flashdraft", "specforge"]
