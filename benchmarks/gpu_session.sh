@@ -7,7 +7,9 @@
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
 #   fp8:   torchao from WHL (default .whl), bench train SHAPE (default a) bf16 vs fp8 FP8_RECIPES (default
 #          tensorwise; "tensorwise rowwise" for both), each also with the FP8 head (train.fp8_head), the target's
-#          forward eager vs compiled inside it, then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S bound each part)
+#          forward eager vs compiled inside it, each variant's KERNELS (default 20) largest kernels (why the
+#          drafter's forward did not move with FP8 at 336051f), then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S
+#          bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check,
@@ -368,7 +370,7 @@ print('NVML:', gpu_usage())
     export PYTHONPATH=$PYTHONPATH:/tmp/site
     python3 -c "import torch, torchao; from torchao.float8 import convert_to_float8_training; print('torchao', torchao.__version__, 'torch', torch.__version__, 'capability', torch.cuda.get_device_capability())" 2>&1 | grep -v "Failed to load" | tee "$out/fp8_import.txt"
     timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape ${SHAPE:-a} --precision bf16 --precision fp8 \
-      $(for r in ${FP8_RECIPES:-tensorwise}; do printf -- '--fp8-recipe %s ' $r; done) --fp8-head \
+      $(for r in ${FP8_RECIPES:-tensorwise}; do printf -- '--fp8-recipe %s ' $r; done) --fp8-head --kernels ${KERNELS:-20} \
       --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from flashdraft.bench.kernels import top_kernels
 from flashdraft.bench.provenance import provenance
 from flashdraft.config import Sampling
 from flashdraft.data.prepare import PrepareSettings, local_regeneration
@@ -99,37 +100,12 @@ def _rows_by_columns(text: str) -> tuple[int, int]:
     return int(rows), int(columns)
 
 
-def top_kernels(engine, rows: int, columns: int, repeats: int, count: int = 12) -> list[dict]:
-    """Where one decode step's device time goes: the `count` kernels (aten ops on the CPU) with the most
-    self time, per step, over `repeats` steps of `engine` under torch.profiler. Give it an engine without
-    CUDA graphs, so that every kernel is recorded whatever the profiler makes of graph replays; they are
-    the kernels a graph replays."""
-    from torch.profiler import ProfilerActivity, profile
-
-    on_gpu = engine.device.type == "cuda"
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
-    with engine.decode_step(rows, columns) as step, profile(activities=activities) as prof:
-        for _ in range(repeats):
-            step()
-        if on_gpu:
-            torch.cuda.synchronize(engine.device)
-
-    def self_us(event) -> float:
-        if on_gpu:  # the device's own time (named cuda_* in older releases)
-            return getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0))
-        return event.self_cpu_time_total
-
-    events = [e for e in prof.key_averages() if self_us(e) > 0]
-    total = sum(self_us(e) for e in events) or 1.0
-    return [
-        {
-            "name": e.key[:120],
-            "calls_per_step": round(e.count / repeats, 2),
-            "us_per_step": round(self_us(e) / repeats, 1),
-            "share": round(self_us(e) / total, 4),
-        }
-        for e in sorted(events, key=self_us, reverse=True)[:count]
-    ]
+def engine_kernels(engine, rows: int, columns: int, repeats: int, count: int = 12) -> list[dict]:
+    """Where one decode step's device time goes (bench/kernels.py::top_kernels over `repeats` steps of
+    `engine`). Give it an engine without CUDA graphs, so that every kernel is recorded whatever the profiler
+    makes of graph replays; they are the kernels a graph replays."""
+    with engine.decode_step(rows, columns) as step:
+        return top_kernels(step, repeats, engine.device, count)
 
 
 def step_time(
@@ -152,7 +128,7 @@ def step_time(
         result["cuda_graphs"] = engine.describe()["cuda_graphs"]
         if profile:
             eager = StaticEngine(model, sampling, [], 0, rows, cuda_graphs=False, attention=attention)
-            result[f"{attention}_top_kernels"] = top_kernels(eager, rows, columns, repeats)
+            result[f"{attention}_top_kernels"] = engine_kernels(eager, rows, columns, repeats)
         del engine
     return result
 

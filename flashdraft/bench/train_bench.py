@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from flashdraft.bench.kernels import top_kernels
 from flashdraft.bench.provenance import provenance, write_result
 from flashdraft.bench.shapes import (
     MASK_TOKEN_IDS,
@@ -271,8 +272,10 @@ def run_shape(
     precision: str = "bf16",
     fp8_recipe: str = "tensorwise",
     fp8_head: bool = False,
+    kernels: int = 0,
 ) -> dict:
-    """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled."""
+    """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled; with
+    `kernels`, also the step's `kernels` largest kernels by device time (`top_kernels`)."""
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
     step = _build_drafter_step(
@@ -290,6 +293,7 @@ def run_shape(
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
     breakdown = profile_breakdown(step.objective, step.optimizer, batches[0].to(torch.device("cuda")))
+    top = step_kernels(step.objective, step.optimizer, batches[0].to(torch.device("cuda")), kernels)
     return {
         "shape": name,
         **shape,
@@ -299,6 +303,7 @@ def run_shape(
         "loss_chunk": loss_chunk,
         "attention": step.placement.attention,
         **_measurements(step, shape, timed, breakdown),
+        **({"top_kernels": top} if kernels else {}),
     }
 
 
@@ -354,6 +359,22 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dic
             optimizer.clip_and_step(1.0)
             optimizer.zero_grad(set_to_none=True)
     return {k: round(v, 2) for k, v in timer.medians().items()}
+
+
+def step_kernels(objective: Objective, optimizer, batch: TokenBatch, count: int) -> list[dict]:
+    """The drafter step's (target features, forward, loss, backward, clip + AdamW) `count` largest kernels
+    by device time, per step over 3 steps (bench/kernels.py): which GEMMs, attention and casts the
+    breakdown's phases are made of. Empty for `count` 0."""
+    if count <= 0:
+        return []
+
+    def one_step() -> None:
+        out = objective(batch, objective.blocks(batch), features=objective.target.features(batch.input_ids))
+        (out.loss_sum / out.weight_sum).backward()
+        optimizer.clip_and_step(1.0)
+        optimizer.zero_grad(set_to_none=True)
+
+    return top_kernels(one_step, 3, batch.input_ids.device, count)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -448,6 +469,14 @@ def _parser() -> argparse.ArgumentParser:
         default=TrainConfig.compile_target,
         help="after the eager forward, time the target with its decoder layers compiled and keep them so, "
         "as the trainer's train.compile_target (default on)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile 3 steps of each variant and record its N largest kernels by device time "
+        "(top_kernels in the result: which GEMMs, attention and casts the breakdown is made of)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
     return parser
@@ -552,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                 precision=precision,
                 fp8_recipe=recipe,
                 fp8_head=fp8_head,
+                kernels=args.kernels,
             )
             torch.cuda.empty_cache()
             _against_bf16(r, results)

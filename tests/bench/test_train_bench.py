@@ -108,6 +108,33 @@ def test_the_phase_timer_wraps_the_objectives_own_calls_and_restores_them(qwen3_
     assert len(opened) == spans
 
 
+def test_step_kernels_profile_the_whole_training_step_largest_first(qwen3_target):
+    """`bench train --kernels N`: the N operators with the most self time over whole drafter steps
+    (forward, loss, backward, optimizer): on the CPU aten operators, with a matmul among them, sorted by
+    time per step, shares of the total; the step trained (the weights moved)."""
+    from flashdraft.train.loss import WeightedHeadLoss
+    from flashdraft.train.objective import Objective
+    from flashdraft.train.optim import make_optimizer
+
+    from ..train.helpers import tiny_pair, token_batch
+
+    drafter, target = tiny_pair(qwen3_target, block_size=4)
+    objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=WeightedHeadLoss(chunk=7))
+    trained = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = make_optimizer(trained, lr=1e-3, weight_decay=0.0)
+    batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
+    before = [p.detach().clone() for p in trained]
+    assert train_bench.step_kernels(objective, optimizer, batch, 0) == []
+    top = train_bench.step_kernels(objective, optimizer, batch, 8)
+    assert len(top) == 8
+    times = [k["us_per_step"] for k in top]
+    assert times == sorted(times, reverse=True) and times[0] > 0
+    assert all(0 < k["share"] <= 1 and k["calls_per_step"] > 0 for k in top)
+    assert sum(k["share"] for k in top) <= 1.0001
+    assert any("mm" in k["name"] or "linear" in k["name"] for k in top), [k["name"] for k in top]
+    assert any(not torch.equal(a, b) for a, b in zip(before, trained, strict=True))
+
+
 @pytest.mark.slow
 def test_checkpoint_every_reports_a_checkpointing_step_against_a_plain_one(tmp_path, qwen3_target):
     """`bench train --checkpoint-every K` on the CPU (the real trainer and its background writer, one
