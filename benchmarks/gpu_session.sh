@@ -85,6 +85,15 @@ mkdir -p "$out"
 REAL=/tmp/real
 # whether a bench quality result is finished as a whole (its variants say "complete" each, earlier)
 finished() { python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get('complete') else 1)" "$1" 2>/dev/null; }
+# wait (up to 9 min) for a detached run R (R.json, R.pid) to finish, or to be gone without finishing: a crashed
+# run must not hold the machine for the whole wait
+waitfor() {
+  for i in $(seq 1 54); do
+    finished $1.json && return 0
+    kill -0 "$(cat $1.pid 2>/dev/null)" 2>/dev/null || { echo "the run is gone, unfinished (log below)"; return 1; }
+    sleep 10
+  done
+}
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "${1:-tests}" in
   real-part0)
@@ -110,10 +119,10 @@ case "${1:-tests}" in
       --target $tdir --work $REAL/race-${TARGET:-smollm2} --device cuda --prompts 2000 --eval-prompts 16 \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 4 --max-new-tokens 128 --drafter-layers 2 \
       --block-size 8 --out $REAL/race-${TARGET:-smollm2}.json > $REAL/race-${TARGET:-smollm2}.log 2>&1 &
-    sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
+    echo $! > $REAL/race-${TARGET:-smollm2}.pid; sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
   race-wait)
     r=$REAL/race-${TARGET:-smollm2}
-    for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
+    waitfor $r
     cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40 ;;
   gemma-part)
     mkdir -p $REAL/gemma-whl && cp .real/gemma/*.whl $REAL/gemma-whl/ && ls -la $REAL/gemma-whl ;;
@@ -178,10 +187,10 @@ case "${1:-tests}" in
       --variants-per-gpu ${VARIANTS_PER_GPU:-$(echo $v | wc -w)} \
       $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
       --out $REAL/recipe-${ROW:-lr}.json > $REAL/recipe-${ROW:-lr}.log 2>&1 &
-    sleep 60; grep -v -i warn $REAL/recipe-${ROW:-lr}.log | tail -8 ;;
+    echo $! > $REAL/recipe-${ROW:-lr}.pid; sleep 60; grep -v -i warn $REAL/recipe-${ROW:-lr}.log | tail -8 ;;
   recipe-wait)
     r=$REAL/recipe-${ROW:-lr}
-    for i in $(seq 1 54); do finished $r.json && break; sleep 10; done
+    waitfor $r
     cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null
     for v in $REAL/quality/variants/*/; do cp $v/run/metrics.jsonl "$out/recipe_metrics_$(basename $v).jsonl" 2>/dev/null; done
     grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
