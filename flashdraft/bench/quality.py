@@ -19,6 +19,9 @@ With `--variant` (repeated), steps 3-4 run once per variant (a preset such as `d
 `NAME:key=value,...` config overrides) on the same regenerated data and the same budget each, one
 variant per GPU at a time when several are visible, and the result compares them.
 
+With `--warm-start PRIOR_MINUTES`, a prior drafter is trained on other prompts first, then a fresh drafter and
+the prior fine-tuned run steps 3-4 on the training data, the same budget each (`warm_start` in the result).
+
 With `--against specforge` (the race), steps 3-4 run twice from one initial drafter: flashdraft's trainer, and
 SpecForge's own training code (flashdraft/bench/race.py), the same budget each; the result has both and a
 `race` summary (τ ratio, per-position acceptance, z-lab's τ of both).
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
@@ -130,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help=f"train and evaluate this variant (repeatable; instead of one default run): a preset "
-        f"({', '.join(PRESETS)}) or NAME:key=value[,key=value] config overrides; all share the data and "
+        f"({', '.join(PRESETS)}) or NAME:key=value[,key=value] config overrides (NAME: alone: the "
+        "defaults); all share the data and "
         "the budget",
     )
     p.add_argument(
@@ -154,12 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
         "SpecForge's own training code (the specforge package, installed with --no-deps), and score both "
         "with the same evaluators",
     )
+    p.add_argument(
+        "--warm-start",
+        type=positive_float,
+        default=None,
+        metavar="PRIOR_MINUTES",
+        help="the community's recipe, measured (docs/quality-benchmark.md): a prior drafter trained for "
+        "PRIOR_MINUTES on other prompts (the --prompts stdlib prompts after the training ones), then "
+        "fine-tuned from it on the training data ('warm') beside a fresh drafter ('fresh'), --gpu-minutes "
+        "each, both scored by the same evaluators",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an --out flashdraft did not write")
     return p
 
 
 def variant_spec(text: str) -> tuple[str, list[str]]:
-    """`--variant` -> (name, config overrides)."""
+    """`--variant` -> (name, config overrides). `NAME:` alone is the defaults under that name (a baseline
+    beside other variants, and how a side-by-side child gets one)."""
     if text in PRESETS:
         return text, PRESETS[text]
     name, sep, body = text.partition(":")
@@ -170,7 +186,7 @@ def variant_spec(text: str) -> tuple[str, list[str]]:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise argparse.ArgumentTypeError(f"variant name {name!r}: use letters, digits, '-', '_' and '.'")
     overrides = [item.strip() for item in body.split(",") if item.strip()]
-    if not overrides or not all("=" in item for item in overrides):
+    if not all("=" in item for item in overrides):
         raise argparse.ArgumentTypeError(f"variant {name!r}: expected key=value overrides, got {body!r}")
     return name, overrides
 
@@ -198,6 +214,11 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
             raise FlashdraftError("--against and --variant: the race trains flashdraft's defaults; give one")
         if why := specforge_missing():
             raise FlashdraftError(f"--against specforge: {why}")
+    if args.warm_start is not None and (args.variant or getattr(args, "against", None)):
+        raise FlashdraftError(
+            "--warm-start compares its own variants (a fresh and a warm-started drafter): without --variant "
+            "and --against"
+        )
     names = [name for name, _ in args.variant]
     if len(set(names)) != len(names):
         raise FlashdraftError(f"--variant: each name once, got {', '.join(names)}")
@@ -207,7 +228,7 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
         except FlashdraftError as exc:
             raise FlashdraftError(f"--variant {name}: {exc}") from None
     if args.reuse_data:
-        for split in ("train", "eval"):
+        for split in ("train", "eval", *(("prior",) if args.warm_start is not None else ())):
             if not (Path(args.work) / "data" / split / "manifest.json").is_file():
                 raise FlashdraftError(
                     f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
@@ -338,15 +359,25 @@ def plot_curve(variants: dict[str, dict[str, Any]], path: Path) -> bool:
 def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:
     """Steps 1-2: the prompt files and the target's answers to them, as training and held-out shards."""
     started = time.perf_counter()
+    splits = ("train", "eval", *(("prior",) if args.warm_start is not None else ()))
     prompts = write_prompt_files(
-        work / "prompts" / "train.jsonl", work / "prompts" / "eval.jsonl", args.prompts, args.eval_prompts
+        work / "prompts" / "train.jsonl",
+        work / "prompts" / "eval.jsonl",
+        args.prompts,
+        args.eval_prompts,
+        **(
+            {"prior_path": work / "prompts" / "prior.jsonl", "prior": args.prompts}
+            if "prior" in splits
+            else {}
+        ),
     )
     console.print(
         f"[bold]1.[/] {prompts['train_prompts']} training prompts from {prompts['train_modules']} stdlib "
         f"modules, {prompts['eval_prompts']} held out from {', '.join(prompts['eval_modules'])}"
+        + (f"; {prompts['prior_prompts']} others for the prior drafter" if "prior" in splits else "")
     )
     data = {}
-    for split in ("train", "eval"):
+    for split in splits:
         manifest = regenerate(
             work / "prompts" / f"{split}.jsonl", work / "data" / split, args, args.answer_tokens
         )
@@ -359,7 +390,9 @@ def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict
 def reused_data(work: Path) -> dict[str, Any]:
     """What `--reuse-data` trains on, read back from the prepared shards' manifests."""
     data = {}
-    for split in ("train", "eval"):
+    for split in ("train", "eval", "prior"):
+        if split == "prior" and not (work / "data" / split / "manifest.json").is_file():
+            continue  # prepared by a --warm-start run only
         manifest = json.loads((work / "data" / split / "manifest.json").read_text())
         data[split] = {k: manifest.get(k) for k in ("samples", "dropped", "tokens", "supervised_tokens")}
     return {"prompts": None, "data": data, "data_s": 0.0}
@@ -539,6 +572,63 @@ def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str
     return summary
 
 
+def run_warm_start(
+    args: argparse.Namespace,
+    work: Path,
+    devices: list[str],
+    console: Console,
+    zlab: bool,
+    publish: Callable[[str, dict[str, Any]], None],
+) -> dict[str, dict[str, Any]]:
+    """`--warm-start PRIOR_MINUTES` (issue 33's community recipe): a prior drafter trained for PRIOR_MINUTES
+    on the prior prompts' answers (an earlier drafter, trained on other data: what a user starts from when a
+    drafter for their target is already published), then on the training data, for --gpu-minutes each, a
+    fresh drafter and the prior fine-tuned (`model.drafter` = its last checkpoint: weights only, a new
+    optimizer and lr schedule). Side by side when the devices allow, as --variant runs."""
+    minutes = args.warm_start
+    prior = train_and_evaluate(
+        args, work, "prior",
+        [f"data.train=[{work / 'data' / 'prior'}]", f"train.max_minutes={minutes}",
+         f"train.save_every_minutes={minutes}"],
+        console, zlab=False, on_progress=lambda r: publish("prior", r),
+    )  # fmt: skip
+    start = list_checkpoints(variant_dir(work, "prior") / "run")[-1] / DRAFTER_DIR
+    console.print(f"[bold]warm start.[/] the prior's last checkpoint {start}: τ {prior['final']['tau']:.3f}")
+    specs = [("fresh", []), ("warm", [f"model.drafter={start}"])]
+    if len(devices) > 1:
+        side = argparse.Namespace(**{**vars(args), "variant": specs})
+        variants = run_variants_side_by_side(side, work, devices, console, on_progress=publish)
+    else:
+        variants = {
+            name: train_and_evaluate(
+                args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
+            )
+            for name, overrides in specs
+        }
+    return {"prior": prior, **variants}
+
+
+def warm_start_summary(variants: dict[str, dict[str, Any]], prior_minutes: float) -> dict[str, Any] | None:
+    """The warm start's verdict: the warm drafter's final τ over the fresh one's (ours and z-lab's loop),
+    per position, with the prior's own τ before fine-tuning."""
+    prior, fresh, warm = (variants.get(name) for name in ("prior", "fresh", "warm"))
+    if not (prior and fresh and warm and prior.get("final") and fresh.get("final") and warm.get("final")):
+        return None
+    a, b = warm["final"], fresh["final"]
+    summary = {
+        "prior_minutes": prior_minutes,
+        "prior_steps": prior["training"]["steps"],
+        "tau": {"prior": prior["final"]["tau"], "fresh": b["tau"], "warm": a["tau"]},
+        "tau_ratio": a["tau"] / b["tau"],
+        "acceptance_by_position": {"fresh": b["acceptance_by_position"], "warm": a["acceptance_by_position"]},
+        "steps": {"fresh": fresh["training"]["steps"], "warm": warm["training"]["steps"]},
+    }
+    if "zlab_tau" in a and "zlab_tau" in b:
+        summary["zlab_tau"] = {"fresh": b["zlab_tau"], "warm": a["zlab_tau"]}
+        summary["zlab_tau_ratio"] = a["zlab_tau"] / b["zlab_tau"]
+    return summary
+
+
 def curve_table(title: str, curve: list[dict[str, Any]]) -> Table:
     table = Table(title=title)
     for column in ("step", "GPU min", "τ real", "τ simulated", "τ z-lab", "speedup", "acceptance 1..B-1"):
@@ -564,7 +654,7 @@ def comparison_table(title: str, variants: dict[str, dict[str, Any]]) -> Table:
         final = v["final"] or {}
         table.add_row(
             name,
-            " ".join(v["overrides"]) or "(defaults)",
+            escape(" ".join(v["overrides"])) or "(defaults)",  # a list value is [...], not rich markup
             str(v["training"]["steps"]),
             f"{final.get('tau', math.nan):.3f}",
             "-" if final.get("simulated_tau") is None else f"{final['simulated_tau']:.3f}",
@@ -588,7 +678,7 @@ def child_argv(args: argparse.Namespace, spec: tuple[str, list[str]], device: st
     """This benchmark's flags for one variant in its own process, on its own device, on the shared data."""
     argv = []
     for action in build_parser()._actions:
-        skip = ("help", "variant", "device", "out", "reuse_data", "variants_per_gpu")
+        skip = ("help", "variant", "device", "out", "reuse_data", "variants_per_gpu", "warm_start")
         if not action.option_strings or action.dest in skip:
             continue
         value = getattr(args, action.dest)
@@ -680,6 +770,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     asked = args.variant or [("default", [])]
     if args.against:
         asked = [("flashdraft", []), (args.against, [])]
+    if args.warm_start is not None:
+        asked = [("prior", []), ("fresh", []), ("warm", [])]
     names = [name for name, _ in asked]
     progress: dict[str, dict[str, Any]] = {}
 
@@ -691,6 +783,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     devices = variant_devices(args.device, args.variants_per_gpu)
     if args.against:
         variants = run_race(args, work, console, zlab, publish)
+    elif args.warm_start is not None:
+        variants = run_warm_start(args, work, devices, console, zlab, publish)
     elif len(args.variant) > 1 and len(devices) > 1:
         variants = run_variants_side_by_side(args, work, devices, console, on_progress=publish)
     else:
@@ -708,6 +802,17 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         console.print(text_curve(variant["curve"], args.block_size), highlight=False, markup=False)
     if len(variants) > 1:
         console.print(comparison_table(f"variants at {args.gpu_minutes} GPU minutes each", variants))
+    if result.get("warm_start"):
+        warm = result["warm_start"]
+        line = (
+            f"warm start: τ warm {warm['tau']['warm']:.3f} vs fresh {warm['tau']['fresh']:.3f} "
+            f"({warm['tau_ratio']:.2f}x) after {args.gpu_minutes} GPU minutes each on the new data; the prior "
+            f"({warm['prior_minutes']} minutes on other prompts) alone: {warm['tau']['prior']:.3f}"
+        )
+        if "zlab_tau" in warm:
+            z = warm["zlab_tau"]
+            line += f"; z-lab's loop {z['warm']:.3f} vs {z['fresh']:.3f} ({warm['zlab_tau_ratio']:.2f}x)"
+        console.print(line, highlight=False)
     if result.get("race"):
         race = result["race"]
         line = f"race: τ flashdraft {race['tau']['flashdraft']:.3f} vs SpecForge {race['tau']['specforge']:.3f} ({race['tau_ratio']:.2f}x)"
@@ -757,6 +862,7 @@ def assemble(
         "race": race_summary(variants, Path(args.work) / "race" / "initial-drafter")
         if args.against
         else None,
+        "warm_start": warm_start_summary(variants, args.warm_start) if args.warm_start is not None else None,
         "zlab_available": zlab,
         "timings": {"data_s": prepared["data_s"], **first.get("timings", {})},
     }

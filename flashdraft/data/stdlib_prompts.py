@@ -122,11 +122,12 @@ def _crc(text: str) -> int:
 
 
 def split_prompts(
-    prompts: tuple[Prompt, ...] | list[Prompt], train: int, held_out: int
+    prompts: tuple[Prompt, ...] | list[Prompt], train: int, held_out: int, asked: str | None = None
 ) -> tuple[list[Prompt], list[Prompt]]:
     """`train` and `held_out` prompts from disjoint source modules. Modules are taken for the held-out
     side in CRC32 order of their names until it has enough; each side's prompts are then ordered by CRC32
-    of their text (a spread over modules, not one module's run) and cut to the count asked."""
+    of their text (a spread over modules, not one module's run) and cut to the count asked. `asked` names
+    the training count's flags in the error (default `--prompts N`)."""
     if train < 1:
         raise FlashdraftError(f"--prompts must be at least 1, got {train}")
     if held_out < 1:
@@ -145,29 +146,48 @@ def split_prompts(
     rest = sorted((p for p in prompts if p.group not in held_groups), key=lambda p: (_crc(p.text), p.text))
     if len(held) < held_out or len(rest) < train:
         raise FlashdraftError(
-            f"--prompts {train} --eval-prompts {held_out}: the standard library gives {len(prompts)} prompts "
+            f"{asked or f'--prompts {train}'} --eval-prompts {held_out}: the standard library gives {len(prompts)} prompts "
             f"({len(rest)} for training once {len(held)} are held out); ask for fewer"
         )
     return rest[:train], held[:held_out]
 
 
+def _write_chat_jsonl(path: str | Path, chosen: list[Prompt]) -> None:
+    atomic_write_text(
+        path,
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": p.text}], "source": p.source}) + "\n"
+            for p in chosen
+        ),
+    )
+
+
 def write_prompt_files(
-    train_path: str | Path, eval_path: str | Path, train: int, held_out: int, root: Path | None = None
+    train_path: str | Path,
+    eval_path: str | Path,
+    train: int,
+    held_out: int,
+    root: Path | None = None,
+    prior_path: str | Path | None = None,
+    prior: int = 0,
 ) -> dict[str, object]:
-    """Both splits as chat JSONL (one user turn each, with its source); returns what was written."""
-    train_prompts, eval_prompts = split_prompts(stdlib_prompts(root), train, held_out)
-    for path, chosen in ((train_path, train_prompts), (eval_path, eval_prompts)):
-        atomic_write_text(
-            path,
-            "".join(
-                json.dumps({"messages": [{"role": "user", "content": p.text}], "source": p.source}) + "\n"
-                for p in chosen
-            ),
-        )
-    return {
+    """Both splits as chat JSONL (one user turn each, with its source); returns what was written.
+    With `prior_path`, also the `prior` training-side prompts that follow the training ones (the data an
+    earlier drafter was trained on, for `bench quality --warm-start`): the training and held-out files are
+    the same as without it."""
+    asked = f"--prompts {train} with {prior} prior prompts" if prior_path is not None else None
+    rest, eval_prompts = split_prompts(stdlib_prompts(root), train + prior, held_out, asked)
+    train_prompts, prior_prompts = rest[:train], rest[train:]
+    _write_chat_jsonl(train_path, train_prompts)
+    _write_chat_jsonl(eval_path, eval_prompts)
+    written: dict[str, object] = {
         "train_prompts": len(train_prompts),
         "eval_prompts": len(eval_prompts),
         "train_modules": len({p.group for p in train_prompts}),
         "eval_modules": sorted({p.group for p in eval_prompts}),
         "stdlib": str(root or stdlib_root()),
     }
+    if prior_path is not None:
+        _write_chat_jsonl(prior_path, prior_prompts)
+        written["prior_prompts"] = len(prior_prompts)
+    return written

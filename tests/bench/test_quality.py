@@ -618,6 +618,10 @@ def test_variant_flags_are_checked_before_any_work(chain_target, tmp_path):
 
     with pytest.raises(SystemExit):  # argparse: neither a preset nor NAME:key=value
         build_parser().parse_args(["--target", "t", "--variant", "fastest"])
+    with pytest.raises(SystemExit):  # an override without its value
+        build_parser().parse_args(["--target", "t", "--variant", "half:train.lr"])
+    # NAME: alone names the defaults (a baseline, and a side-by-side child's 'fresh')
+    assert build_parser().parse_args(["--target", "t", "--variant", "base:"]).variant == [("base", [])]
     with pytest.raises(FlashdraftError, match="--variant: each name once"):
         run("--variant", "dflash2", "--variant", "dflash2")
     with pytest.raises(FlashdraftError, match=r"--variant odd: .*train\.no_such_knob"):
@@ -627,3 +631,85 @@ def test_variant_flags_are_checked_before_any_work(chain_target, tmp_path):
     with pytest.raises(FlashdraftError, match=r"--reuse-data: .* holds no prepared shards"):
         run("--reuse-data")
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.slow
+def test_warm_start_fine_tunes_the_prior_beside_a_fresh_drafter_on_the_same_new_data(
+    chain_target, tmp_path, monkeypatch
+):
+    """`--warm-start` (issue 33 item 3): a prior drafter trained on other prompts, then 'warm' (from its
+    last checkpoint) and 'fresh' trained for the same budget on the training data, both scored alike."""
+    import hashlib
+
+    from flashdraft.bench import quality
+    from flashdraft.cli import main
+    from flashdraft.train.checkpoint import load_trainer_state
+
+    work, out = tmp_path / "work", tmp_path / "warm.json"
+    argv = tiny_quality_argv(chain_target, work, out, 12, 2, "0.03", 12)
+    assert main(["bench", "quality", *argv, "--warm-start", "0.03"]) == 0
+    result = json.loads(out.read_text())
+    assert result["complete"] and list(result["variants"]) == ["prior", "fresh", "warm"]
+
+    # the training and held-out prompts are those of a run without --warm-start; the prior's are others
+    def texts(path: Path) -> list[str]:
+        return [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()]
+
+    def trained_on(run: Path) -> list[str]:  # the data.train a run's last checkpoint recorded
+        state = load_trainer_state(quality.list_checkpoints(run)[-1])
+        return state["config"]["data"]["train"]
+
+    plain = write_prompt_files(tmp_path / "t.jsonl", tmp_path / "e.jsonl", 12, 2)
+    assert texts(work / "prompts" / "train.jsonl") == texts(tmp_path / "t.jsonl")
+    assert texts(work / "prompts" / "eval.jsonl") == texts(tmp_path / "e.jsonl")
+    prior_prompts = texts(work / "prompts" / "prior.jsonl")
+    assert len(prior_prompts) == 12 == result["prompts"]["prior_prompts"]
+    assert not set(prior_prompts) & (set(texts(tmp_path / "t.jsonl")) | set(texts(tmp_path / "e.jsonl")))
+    assert plain["train_prompts"] == result["prompts"]["train_prompts"]
+    assert result["data"]["prior"]["samples"] == 12
+
+    # the prior trained on its own shards; warm started from its last checkpoint, fresh from nothing
+    prior_run = work / "variants" / "prior" / "run"
+    assert trained_on(prior_run) == [str(work / "data" / "prior")]
+    last = quality.list_checkpoints(prior_run)[-1] / "drafter" / "model.safetensors"
+    warm = json.loads((work / "variants" / "warm" / "run" / "warm_start.json").read_text())
+    assert warm["weights_sha256"] == hashlib.sha256(last.read_bytes()).hexdigest()
+    assert not (work / "variants" / "fresh" / "run" / "warm_start.json").exists()
+    for name in ("fresh", "warm"):
+        variant = result["variants"][name]
+        assert variant["complete"] and variant["training"]["budget_spent"] and len(variant["curve"]) >= 2
+        assert trained_on(work / "variants" / name / "run") == [str(work / "data" / "train")]
+    summary = result["warm_start"]
+    fresh, warm_final = result["variants"]["fresh"]["final"], result["variants"]["warm"]["final"]
+    assert summary["tau"] == {
+        "prior": result["variants"]["prior"]["final"]["tau"],
+        "fresh": fresh["tau"],
+        "warm": warm_final["tau"],
+    }
+    assert summary["tau_ratio"] == pytest.approx(warm_final["tau"] / fresh["tau"])
+    assert summary["prior_minutes"] == 0.03
+    assert ("zlab_tau_ratio" in summary) == result["zlab_available"]
+
+    # a rerun on the prepared data reuses the prior's shards too, with fresh and warm side by side (one
+    # process each, as on a GPU with --variants-per-gpu 2); --variant does not mix with it
+    journal = sorted((work / "data" / "prior").glob("regenerated.jsonl*"))
+    stamp = [p.stat().st_mtime_ns for p in journal]
+    monkeypatch.setattr(quality, "variant_devices", lambda device, per_gpu: ["cpu"] * 2)
+    args = quality.build_parser().parse_args([*argv, "--warm-start", "0.03", "--reuse-data"])
+    again = quality.run_quality(args, [])
+    assert again["warm_start"] is not None and list(again["variants"]) == ["prior", "fresh", "warm"]
+    assert "--warm-start" not in (work / "variants" / "warm" / "log.txt").read_text()
+    last = quality.list_checkpoints(prior_run)[-1] / "drafter" / "model.safetensors"
+    warm = json.loads((work / "variants" / "warm" / "run" / "warm_start.json").read_text())
+    assert warm["weights_sha256"] == hashlib.sha256(last.read_bytes()).hexdigest()
+    assert [p.stat().st_mtime_ns for p in journal] == stamp
+    with pytest.raises(FlashdraftError, match="--warm-start compares its own variants"):
+        quality.run_quality(
+            quality.build_parser().parse_args([*argv, "--warm-start", "1", "--variant", "dflash2"]), []
+        )
+    with pytest.raises(FlashdraftError, match=r"--reuse-data: .*prior holds no prepared shards"):
+        fresh_work = [*tiny_quality_argv(chain_target, tmp_path / "w2", tmp_path / "w2.json"), "--reuse-data"]
+        (tmp_path / "w2" / "data").mkdir(parents=True)
+        for split in ("train", "eval"):
+            (tmp_path / "w2" / "data" / split).symlink_to(work / "data" / split)
+        quality.run_quality(quality.build_parser().parse_args([*fresh_work, "--warm-start", "1"]), [])
