@@ -27,7 +27,7 @@
 #   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
-#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch) of issue 33's recipe table, detached:
+#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch data) of issue 33's recipe table, detached:
 #          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
 #          ROW=fp8 is issue 32's quality proof: bf16 (two seeds), fp8 and fp8 + FP8 head drafters trained the
 #          same STEPS (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
@@ -98,6 +98,9 @@ waitfor() {
     sleep 10
   done
 }
+# the recipe rows' data: 2,000 answers shared by every row but ROW=data, which regenerates 8,000 once
+recipe_work=$REAL/quality recipe_prompts=${PROMPTS:-2000}
+[ "${ROW:-lr}" = data ] && recipe_work=$REAL/quality-8000 recipe_prompts=8000
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "${1:-tests}" in
   real-part0)
@@ -186,6 +189,9 @@ case "${1:-tests}" in
       block) v="block-8:model.block_size=8 block-10:model.block_size=10 block-16:model.block_size=16" ;;
       loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
+      # data volume: 8,000 answers regenerated once (their own WORK; bench quality's data_s gives the
+      # regeneration's answers per GPU-minute), each variant training on the first N of them
+      data) v="data-2000:data.max_samples=2000 data-4000:data.max_samples=4000 data-8000:data.max_samples=8000" ;;
       # issue 32 item 4: the same STEPS (no time budget: the cosine runs over the steps, one schedule for both)
       # and a second bf16 seed: the spread FP8's gap is measured against
       fp8) v="bf16:train.precision=bf16,train.max_minutes=0,train.max_steps=${STEPS:-600}
@@ -193,20 +199,20 @@ case "${1:-tests}" in
               fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}
               fp8-head:train.precision=fp8,train.fp8_head=true,train.max_minutes=0,train.max_steps=${STEPS:-600}"
            python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
-      *) echo "ROW: optim lr anchors depth block loss arch fp8"; exit 1 ;;
+      *) echo "ROW: optim lr anchors depth block loss arch data fp8"; exit 1 ;;
     esac
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
-      --work $REAL/quality --device cuda --prompts ${PROMPTS:-2000} --eval-prompts ${EVAL_PROMPTS:-16} \
+      --work $recipe_work --device cuda --prompts $recipe_prompts --eval-prompts ${EVAL_PROMPTS:-16} \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 2 --max-new-tokens 128 \
       --variants-per-gpu ${VARIANTS_PER_GPU:-$(echo $v | wc -w)} \
-      $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
+      $([ -f $recipe_work/data/eval/manifest.json ] && echo --reuse-data) $(for x in $v; do printf -- '--variant %s ' "$x"; done) \
       --out $REAL/recipe-${ROW:-lr}.json > $REAL/recipe-${ROW:-lr}.log 2>&1 &
     echo $! > $REAL/recipe-${ROW:-lr}.pid; sleep 60; grep -v -i warn $REAL/recipe-${ROW:-lr}.log | tail -8 ;;
   recipe-wait)
     r=$REAL/recipe-${ROW:-lr}
     waitfor $r
     cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null
-    for v in $REAL/quality/variants/*/; do cp $v/run/metrics.jsonl "$out/recipe_metrics_$(basename $v).jsonl" 2>/dev/null; done
+    for v in $recipe_work/variants/*/; do cp $v/run/metrics.jsonl "$out/recipe_metrics_$(basename $v).jsonl" 2>/dev/null; done
     grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
   realtrain)
     # after real-setup: the training step on the real target's own regenerated shards, packing on and off

@@ -175,6 +175,12 @@ class DataConfig:
     train: list[str] = doc([], "Training data: shard directories or JSONL files of {input_ids, loss_mask}.")
     eval: list[str] = doc([], "Held-out data in the same format, for simulated acceptance.")
     max_length: int = doc(3072, "Sequences are truncated to this many tokens (paper: 3072).")
+    max_samples: int = doc(
+        0,
+        "Train on only the first N usable samples of data.train, in data order (0: all): the data-volume "
+        "knob of the recipe table (benchmarks/gpu_session.sh recipe ROW=data) and a trial run on part of a "
+        "large set. data.eval is not cut.",
+    )
     packing: bool = doc(
         False,
         "Pack several samples into each row of up to max_length tokens (each sample still sees only itself); "
@@ -824,6 +830,7 @@ def _model_checks(m: ModelConfig, d: DataConfig) -> list[tuple[bool, str]]:
             or d.max_length >= 2 * block_size,  # with a drafter: checked once its block size is known
             f"data.max_length must be at least 2 * model.block_size ({2 * block_size}), got {d.max_length}",
         ),
+        (d.max_samples >= 0, f"data.max_samples must be >= 0 (0: all), got {d.max_samples}"),
         (
             m.arch is None or m.arch in ("dflash", "dflash2"),
             f"model.arch must be dflash or dflash2, got {m.arch!r}",

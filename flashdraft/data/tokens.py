@@ -95,12 +95,22 @@ class TokenDataset:
     def __getitem__(self, i: int) -> Sample:
         return Sample(*self.shards.sample(int(self.keep[i]), self.max_length))
 
+    def first(self, count: int) -> TokenDataset:
+        """The first `count` usable samples (all when there are fewer); those cut are counted in `dropped`."""
+        if count >= len(self):
+            return self
+        dropped = {**self.dropped, "over_max_samples": len(self) - count}
+        return TokenDataset(self.shards, self.keep[:count], self.max_length, dropped)
+
     def dropped_summary(self) -> str:
         """What was left out, for the run's summary line: short samples and damaged index rows apart."""
         text = f"{self.dropped['no_anchor']} dropped: no anchor"
         damaged = self.dropped.get("damaged", 0)
-        return text + (
-            f"; {damaged} damaged index row{'s' if damaged != 1 else ''} left out" if damaged else ""
+        over = self.dropped.get("over_max_samples", 0)
+        return (
+            text
+            + (f"; {damaged} damaged index row{'s' if damaged != 1 else ''} left out" if damaged else "")
+            + (f"; {over} past data.max_samples left out" if over else "")
         )
 
     def lengths(self) -> np.ndarray:

@@ -46,6 +46,8 @@ def load_training_data(config: Config, *, block_size: int, vocab_size: int, trai
         "allow_unverified_tokenizer": config.data.allow_unverified_tokenizer,
     }
     train = load_token_dataset(config.data.train, **data_kwargs)
+    if config.data.max_samples:
+        train = train.first(config.data.max_samples)
     held_out = load_token_dataset(config.data.eval, **data_kwargs) if config.data.eval else None
     global_micro = t.batch_size * train_ranks
     if config.data.packing:
