@@ -35,6 +35,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import WEIGHTS_NAME, read_config, save_drafter
 from flashdraft.model.spec import default_gamma
+from flashdraft.train.budget import TrainingClock
 
 if TYPE_CHECKING:
     from flashdraft.model.target import TargetModel
@@ -262,8 +263,10 @@ class _Progress:
     """The timed run so far."""
 
     total_steps: int  # the cosine schedule's length, re-sized as steps are timed
-    spent: float = 0.0  # seconds of step time
+    spent: float = 0.0  # seconds of step time, the steps that compiled left out (as flashdraft's budget)
+    compile_seconds: float = 0.0  # the steps during which torch.compile built a graph
     steps: int = 0
+    compile_steps: int = 0
     losses: list[float] = field(default_factory=list)
     accuracies: list[float] = field(default_factory=list)
     checkpoints: list[tuple[int, float, Path]] = field(default_factory=list)
@@ -278,25 +281,33 @@ def _train_for_budget(
     curve_points: int,
     out_dir: Path,
     log,
+    clock: TrainingClock | None = None,
 ) -> None:
     """Timed steps until `minutes` of step time are spent: the schedule re-sized to the budget at every
-    tenth of it, a flashdraft drafter directory at every curve point and at the end."""
+    tenth of it, a flashdraft drafter directory at every curve point and at the end. A step during which
+    torch.compile built a graph (flex attention for a new padded width) is booked as compile time, not
+    against the budget, exactly as flashdraft's side books its own (flashdraft/train/budget.py)."""
     wrapped = side.objective(side.drafter)
     budget, every = minutes * 60, minutes * 60 / curve_points
+    clock = clock or TrainingClock()
     while progress.spent < budget:
         side.synchronize()
-        started = time.perf_counter()
+        clock.start()
         loss, accuracy = side.step(wrapped, optimizer)
         side.synchronize()
-        progress.spent += time.perf_counter() - started
+        compiled = clock.compiling()
+        clock.stop()
+        progress.spent, progress.compile_seconds = clock.train_seconds, clock.compile_seconds
         progress.steps += 1
+        progress.compile_steps += compiled
         progress.losses.append(loss)
         progress.accuracies.append(accuracy)
         spent, steps = progress.spent, progress.steps
-        if spent < budget and spent >= budget * (len(progress.resizes) + 1) / RESIZES:
+        counted = steps - progress.compile_steps
+        if counted and spent < budget and spent >= budget * (len(progress.resizes) + 1) / RESIZES:
             # the probe's step time was a guess: at every tenth of the budget the cosine is re-sized to
-            # end with it, from the mean step time so far (flashdraft's schedule runs over the budget)
-            progress.total_steps = steps + max(1, math.ceil((budget - spent) / (spent / steps)))
+            # end with it, from the mean counted step time so far (flashdraft's schedule runs over the budget)
+            progress.total_steps = steps + max(1, math.ceil((budget - spent) / (spent / counted)))
             optimizer.scheduler = _resized_schedule(optimizer.optimizer, progress.total_steps, steps)
             progress.resizes.append(progress.total_steps)
         if spent >= every * (len(progress.checkpoints) + 1) or spent >= budget:
@@ -315,6 +326,8 @@ def _summary(side: _SpecForgeSide, progress: _Progress, step_s: float, lr: float
         "specforge_version": _version("specforge"),
         "steps": progress.steps,
         "train_minutes": round(progress.spent / 60, 4),
+        "compile_minutes": round(progress.compile_seconds / 60, 4),
+        "compile_steps": progress.compile_steps,
         "budget_spent": True,
         "scheduled_steps": progress.total_steps,
         "schedule_resized_to": progress.resizes,

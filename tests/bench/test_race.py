@@ -89,3 +89,45 @@ def test_the_race_refuses_variants_and_a_missing_specforge(tmp_path, monkeypatch
         FlashdraftError, match=r"^--against specforge: the specforge package is not installed"
     ):
         run_quality(build_parser().parse_args(argv), [])
+
+
+def test_specforge_steps_that_compile_are_booked_apart_as_flashdrafts_are(tmp_path, monkeypatch):
+    """Both sides' budgets count the same thing: a SpecForge step during which torch.compile built a graph
+    (flex attention for a new padded width) is compile time, as flashdraft's own are (train/budget.py)."""
+    import time
+    from types import SimpleNamespace
+
+    from flashdraft.bench import race
+    from flashdraft.train.budget import TrainingClock
+
+    graphs, seconds = [0], []
+
+    class Side:
+        drafter = config = None
+
+        def objective(self, model):
+            return None
+
+        def synchronize(self):
+            pass
+
+        def step(self, wrapped, optimizer, source=None):
+            recompiles = len(seconds) == 3  # the fourth step meets a new padded width
+            graphs[0] += recompiles
+            started = time.perf_counter()
+            time.sleep(0.12 if recompiles else 0.01)
+            seconds.append(time.perf_counter() - started)
+            return 1.0, 0.5
+
+    saved = []
+    monkeypatch.setattr(race, "_save_as_flashdraft", lambda model, config, path: saved.append(path))
+    monkeypatch.setattr(race, "_resized_schedule", lambda optimizer, total, done: None)
+    progress = race._Progress(total_steps=10)
+    race._train_for_budget(
+        Side(), SimpleNamespace(optimizer=None), progress, 0.1 / 60, 2, tmp_path, lambda line: None,
+        clock=TrainingClock(graphs=lambda: graphs[0]),
+    )  # fmt: skip
+    assert progress.compile_steps == 1 and progress.compile_seconds >= 0.12
+    assert progress.steps == len(seconds) and progress.steps >= 9  # 0.1 s of 0.01 s steps, and the compile
+    assert 0.1 <= progress.spent < sum(seconds) - 0.1  # the compile step is not in the budget
+    assert len(saved) == 2 and progress.checkpoints[-1][1] == round(progress.spent / 60, 4)
