@@ -12,6 +12,8 @@
 #          bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
+#   hybrid-fp8: issue 32's FP8 on the hybrid target: bench train shape (a), bf16 vs fp8 vs fp8 + FP8 head (fla and
+#          torchao carried; needs_h200; ~8 min)
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check,
 #          ENGINE (default fast), STEPS (30), SAMPLES (128)
 #   step-time: the fast engine's step time and kernels, compiled vs eager model code (SmolLM2-shaped, ~2 min)
@@ -386,6 +388,14 @@ print('NVML:', gpu_usage())
       --out "$out/eval_h200_27b_hybrid_${ENGINE:-fast}.json" \
       > "$out/bench_eval_hybrid.log" 2>&1
     grep -v -i warn "$out/bench_eval_hybrid.log" | tail -25 ;;
+  hybrid-fp8)
+    # issue 32: FP8 on the seeds' hybrid target, shape (a): bf16 against fp8 and fp8 + the FP8 head in one process
+    # (fla 0.6.0 and torchao wheels carried in .whl; a 27B-shaped target: call with needs_h200)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl \
+      .whl/flash_linear_attention-*.whl .whl/torchao-*.whl || exit 1
+    PYTHONPATH=$PYTHONPATH:/tmp/fla timeout ${BENCH_S:-540} python3 -m flashdraft bench train --target qwen3.6-27b \
+      --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-head --steps ${STEPS:-6} --warmup 3 \
+      --out "$out/train_fp8_h200_27b.json" 2>&1 | grep -v -i warn | tail -10 ;;
   hybrid)
     python3 -m flashdraft bench train --target qwen3.6-27b --shape a --out "$out/train_h200_27b_torch_fallback.json" 2>&1 \
       | grep -v -i warn | tail -3
