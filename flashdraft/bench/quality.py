@@ -595,17 +595,29 @@ def run_warm_start(
     start = list_checkpoints(variant_dir(work, "prior") / "run")[-1] / DRAFTER_DIR
     console.print(f"[bold]warm start.[/] the prior's last checkpoint {start}: τ {prior['final']['tau']:.3f}")
     specs = [("fresh", []), ("warm", [f"model.drafter={start}"])]
-    if len(devices) > 1:
+    return {"prior": prior, **run_variants(args, work, specs, devices, console, zlab, publish)}
+
+
+def run_variants(
+    args: argparse.Namespace,
+    work: Path,
+    specs: list[tuple[str, list[str]]],
+    devices: list[str],
+    console: Console,
+    zlab: bool,
+    publish: Callable[[str, dict[str, Any]], None],
+) -> dict[str, dict[str, Any]]:
+    """Steps 3-4 for each (name, overrides): side by side, one process each, when there are several and
+    several device slots; else one after the other in this process."""
+    if len(specs) > 1 and len(devices) > 1:
         side = argparse.Namespace(**{**vars(args), "variant": specs})
-        variants = run_variants_side_by_side(side, work, devices, console, on_progress=publish)
-    else:
-        variants = {
-            name: train_and_evaluate(
-                args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
-            )
-            for name, overrides in specs
-        }
-    return {"prior": prior, **variants}
+        return run_variants_side_by_side(side, work, devices, console, on_progress=publish)
+    return {
+        name: train_and_evaluate(
+            args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
+        )
+        for name, overrides in specs
+    }
 
 
 def warm_start_summary(variants: dict[str, dict[str, Any]], prior_minutes: float) -> dict[str, Any] | None:
@@ -785,15 +797,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         variants = run_race(args, work, console, zlab, publish)
     elif args.warm_start is not None:
         variants = run_warm_start(args, work, devices, console, zlab, publish)
-    elif len(args.variant) > 1 and len(devices) > 1:
-        variants = run_variants_side_by_side(args, work, devices, console, on_progress=publish)
     else:
-        variants = {
-            name: train_and_evaluate(
-                args, work, name, overrides, console, zlab, on_progress=lambda r, name=name: publish(name, r)
-            )
-            for name, overrides in asked
-        }
+        variants = run_variants(args, work, asked, devices, console, zlab, publish)
     result = assemble(args, argv, prepared, variants, names, zlab, complete=True)
     for name, variant in variants.items():
         console.print(
