@@ -198,6 +198,7 @@ BEST_BY = ("simulated_tau", "real_tau", "loss")  # train.best_by: eval row keys 
 
 
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+LR_SCHEDULES = ("cosine", "wsd")  # train.lr_schedule
 
 
 @dataclass
@@ -232,8 +233,16 @@ class TrainConfig:
         "(torch's adjust_lr_fn='match_rms_adamw'), so the AdamW lr carries over; it follows the same schedule.",
     )
     muon_momentum: float = doc(0.95, "Muon's momentum (Nesterov; torch's default 0.95).")
+    lr_schedule: str = doc(
+        "cosine",
+        "After the warm-up: cosine, a cosine decay to min_lr_ratio over the rest of the run (paper); wsd "
+        "(warmup-stable-decay), train.lr held until the last train.decay_ratio of the run, then a linear "
+        "decay to min_lr_ratio. Under train.max_minutes either runs over the steps expected to fit.",
+        choices=LR_SCHEDULES,
+    )
+    decay_ratio: float = doc(0.2, "With lr_schedule wsd: the fraction of the run spent decaying.")
     warmup_ratio: float = doc(0.04, "Fraction of steps with linear warm-up (paper: 0.04).")
-    min_lr_ratio: float = doc(0.0, "Cosine schedule floor as a fraction of lr.")
+    min_lr_ratio: float = doc(0.0, "Floor of the schedule's decay as a fraction of lr.")
     grad_clip: float = doc(1.0, "Global gradient-norm clip (paper: 1.0).")
     num_anchors: int = doc(512, "Anchors (blocks) sampled per sequence, fresh each epoch (paper: 512).")
     anchors: str = doc(
@@ -874,6 +883,16 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         *_muon_checks(t),
         (0 <= t.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}"),
         (0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"),
+        (
+            t.lr_schedule in LR_SCHEDULES,
+            f"train.lr_schedule must be {' or '.join(LR_SCHEDULES)}, got {t.lr_schedule!r}",
+        ),
+        (0 < t.decay_ratio <= 1, f"train.decay_ratio must be in (0, 1], got {t.decay_ratio}"),
+        (
+            t.lr_schedule != "wsd" or t.warmup_ratio + t.decay_ratio <= 1,
+            f"train.warmup_ratio + train.decay_ratio must be at most 1 with lr_schedule wsd, got "
+            f"{t.warmup_ratio} + {t.decay_ratio}",
+        ),
         (t.grad_clip > 0, f"train.grad_clip must be positive (a global-norm limit), got {t.grad_clip}"),
         (t.gamma is None or t.gamma > 0, f"train.gamma must be positive, got {t.gamma}"),
         (t.loss in ("ce", "kl", "lk"), f"train.loss must be ce, kl or lk, got {t.loss!r}"),

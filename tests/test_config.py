@@ -70,6 +70,8 @@ def test_a_non_finite_number_is_refused_naming_the_field(override, field):
         ("train.weight_decay=2000", "train.lr * train.weight_decay must be below 1"),
         ("train.warmup_ratio=1", "train.warmup_ratio must be in [0, 1)"),
         ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be in [0, 1]"),
+        ("train.lr_schedule=linear", "train.lr_schedule must be cosine or wsd, got 'linear'"),
+        ("train.decay_ratio=0", "train.decay_ratio must be in (0, 1], got 0.0"),
         ("train.gamma=0", "train.gamma must be positive"),
         ("train.batch_size=0", "train.batch_size must be at least 1"),
         ("train.grad_accum=0", "train.grad_accum must be at least 1"),
@@ -135,3 +137,9 @@ def test_drafter_fields_that_disagree_with_the_drafter_are_refused_and_defaults_
         FlashdraftError, match=r"data.max_length must be at least 2 \* model.block_size \(32\)"
     ):
         resolve_drafter_fields(short, actual, "/d/config.json")
+
+
+def test_a_wsd_schedule_needs_room_for_its_warm_up_and_its_decay():
+    with pytest.raises(FlashdraftError, match=r"train.warmup_ratio \+ train.decay_ratio must be at most 1"):
+        load_config(None, ["train.lr_schedule=wsd", "train.warmup_ratio=0.5", "train.decay_ratio=0.6"])
+    load_config(None, ["train.warmup_ratio=0.5", "train.decay_ratio=0.6"])  # the cosine ignores decay_ratio

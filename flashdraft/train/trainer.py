@@ -97,6 +97,7 @@ class Trainer:
     window: LogWindow  # the counters since the last metrics row
     peak_tflops: float | None  # the device's bf16 peak (MFU), None where unknown
     real_eval: RealDecoder | None = None  # held-out prompts decoded for real at each evaluation (None: off)
+    applied_lr: float | None = None  # the lr the last applied step trained at (what its metrics row shows)
 
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
@@ -246,6 +247,7 @@ class Trainer:
         self, losses: list[Tensor], stats: list[dict[str, Tensor]], total_weight: float, grad_norm: Tensor
     ) -> None:
         self.optimizer.clip_and_step(self.config.train.grad_clip, grad_norm)
+        self.applied_lr = self.scheduler.get_last_lr()[0]  # after step() it is the next step's
         self.scheduler.step()
         self.optimizer.discard_gradients()
         self.state.bad_in_a_row = 0
@@ -291,7 +293,7 @@ class Trainer:
         window.all_reduce(self.device, self.topo)
         metrics = {
             **window.metrics(),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self.scheduler.get_last_lr()[0] if self.applied_lr is None else self.applied_lr,
             "grad_norm": float(grad_norm),
             "epoch": state.epoch,
             "skipped_steps": state.skipped,

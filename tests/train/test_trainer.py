@@ -186,6 +186,31 @@ def test_schedule_warms_up_then_decays_to_floor():
     assert all(a >= b for a, b in itertools.pairwise(values[3:])) and values[-1] > 0.1
 
 
+def test_wsd_schedule_holds_the_peak_then_decays_linearly_over_the_last_share():
+    values = [lr_lambda(s, 100, 0.04, 0.1, "wsd", 0.2) for s in range(100)]
+    assert values[:4] == [0.25, 0.5, 0.75, 1.0]  # the same warm-up as the cosine
+    assert values[4:81] == [1.0] * 77  # the peak held until the last 20 steps
+    decay = values[80:]
+    steps = [a - b for a, b in itertools.pairwise(decay)]
+    assert all(d == pytest.approx(0.9 / 20) for d in steps)  # linear, reaching 0.1 at step 100
+    assert decay[-1] == pytest.approx(0.1 + 0.9 / 20)
+    # a decay longer than what the warm-up leaves starts right after it
+    short = [lr_lambda(s, 10, 0.5, 0.0, "wsd", 0.9) for s in range(10)]
+    assert short[:5] == [0.2, 0.4, 0.6, 0.8, 1.0] and short[5:] == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+
+
+def test_a_run_with_the_wsd_schedule_trains_at_the_peak_then_decays(tmp_path, qwen3_target, train_file):
+    out = tmp_path / "wsd"
+    overrides = {"train.lr_schedule": "wsd", "train.decay_ratio": 0.25, "train.warmup_ratio": 0.125}
+    train(load_config(None, _overrides(qwen3_target, train_file, out, **overrides)))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["step"]: r["lr"] for r in rows if r["kind"] == "train"}
+    # 8 steps: 1 of warm-up, the peak until the last 2, each logged lr the one its step trained at
+    expected = [2e-3 * lr_lambda(s, 8, 0.125, 0.0, "wsd", 0.25) for s in range(8)]
+    assert [lrs[s] for s in range(1, 9)] == pytest.approx(expected)
+    assert expected[:6] == [2e-3] * 6 and expected[6:] == pytest.approx([2e-3, 1e-3])
+
+
 def test_held_out_simulated_acceptance_picks_the_best_checkpoint(tmp_path, qwen3_target, train_file):
     from flashdraft.model.drafter_dir import load_drafter
 
