@@ -198,6 +198,11 @@ def _result_is_ours(path: Path) -> bool:
         return False
 
 
+def data_splits(args: argparse.Namespace) -> tuple[str, ...]:
+    """The shard sets under WORK/data this benchmark trains and evaluates on (`prior`: --warm-start's)."""
+    return ("train", "eval", *(("prior",) if args.warm_start is not None else ()))
+
+
 def check_inputs(args: argparse.Namespace, out: Path) -> None:
     """Everything a flag can get wrong, before prompts are built or a model loads."""
     if args.curve_points < 2:
@@ -228,7 +233,7 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
         except FlashdraftError as exc:
             raise FlashdraftError(f"--variant {name}: {exc}") from None
     if args.reuse_data:
-        for split in ("train", "eval", *(("prior",) if args.warm_start is not None else ())):
+        for split in data_splits(args):
             if not (Path(args.work) / "data" / split / "manifest.json").is_file():
                 raise FlashdraftError(
                     f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
@@ -359,22 +364,20 @@ def plot_curve(variants: dict[str, dict[str, Any]], path: Path) -> bool:
 def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:
     """Steps 1-2: the prompt files and the target's answers to them, as training and held-out shards."""
     started = time.perf_counter()
-    splits = ("train", "eval", *(("prior",) if args.warm_start is not None else ()))
+    splits = data_splits(args)
+    warm = "prior" in splits
     prompts = write_prompt_files(
         work / "prompts" / "train.jsonl",
         work / "prompts" / "eval.jsonl",
         args.prompts,
         args.eval_prompts,
-        **(
-            {"prior_path": work / "prompts" / "prior.jsonl", "prior": args.prompts}
-            if "prior" in splits
-            else {}
-        ),
+        prior_path=work / "prompts" / "prior.jsonl" if warm else None,
+        prior=args.prompts if warm else 0,
     )
     console.print(
         f"[bold]1.[/] {prompts['train_prompts']} training prompts from {prompts['train_modules']} stdlib "
         f"modules, {prompts['eval_prompts']} held out from {', '.join(prompts['eval_modules'])}"
-        + (f"; {prompts['prior_prompts']} others for the prior drafter" if "prior" in splits else "")
+        + (f"; {prompts['prior_prompts']} others for the prior drafter" if warm else "")
     )
     data = {}
     for split in splits:

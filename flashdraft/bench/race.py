@@ -263,14 +263,23 @@ class _Progress:
     """The timed run so far."""
 
     total_steps: int  # the cosine schedule's length, re-sized as steps are timed
-    spent: float = 0.0  # seconds of step time, the steps that compiled left out (as flashdraft's budget)
-    compile_seconds: float = 0.0  # the steps during which torch.compile built a graph
+    # step time as flashdraft's budget books it: the steps during which torch.compile built a graph apart
+    clock: TrainingClock = field(default_factory=TrainingClock)
     steps: int = 0
     compile_steps: int = 0
     losses: list[float] = field(default_factory=list)
     accuracies: list[float] = field(default_factory=list)
     checkpoints: list[tuple[int, float, Path]] = field(default_factory=list)
     resizes: list[int] = field(default_factory=list)
+
+    @property
+    def spent(self) -> float:
+        """Seconds of step time against the budget."""
+        return self.clock.train_seconds
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.clock.compile_seconds
 
 
 def _train_for_budget(
@@ -281,7 +290,6 @@ def _train_for_budget(
     curve_points: int,
     out_dir: Path,
     log,
-    clock: TrainingClock | None = None,
 ) -> None:
     """Timed steps until `minutes` of step time are spent: the schedule re-sized to the budget at every
     tenth of it, a flashdraft drafter directory at every curve point and at the end. A step during which
@@ -289,7 +297,7 @@ def _train_for_budget(
     against the budget, exactly as flashdraft's side books its own (flashdraft/train/budget.py)."""
     wrapped = side.objective(side.drafter)
     budget, every = minutes * 60, minutes * 60 / curve_points
-    clock = clock or TrainingClock()
+    clock = progress.clock
     while progress.spent < budget:
         side.synchronize()
         clock.start()
@@ -297,7 +305,6 @@ def _train_for_budget(
         side.synchronize()
         compiled = clock.compiling()
         clock.stop()
-        progress.spent, progress.compile_seconds = clock.train_seconds, clock.compile_seconds
         progress.steps += 1
         progress.compile_steps += compiled
         progress.losses.append(loss)

@@ -122,11 +122,10 @@ def test_specforge_steps_that_compile_are_booked_apart_as_flashdrafts_are(tmp_pa
     saved = []
     monkeypatch.setattr(race, "_save_as_flashdraft", lambda model, config, path: saved.append(path))
     monkeypatch.setattr(race, "_resized_schedule", lambda optimizer, total, done: None)
-    progress = race._Progress(total_steps=10)
+    progress = race._Progress(total_steps=10, clock=TrainingClock(graphs=lambda: graphs[0]))
     race._train_for_budget(
-        Side(), SimpleNamespace(optimizer=None), progress, 0.1 / 60, 2, tmp_path, lambda line: None,
-        clock=TrainingClock(graphs=lambda: graphs[0]),
-    )  # fmt: skip
+        Side(), SimpleNamespace(optimizer=None), progress, 0.1 / 60, 2, tmp_path, lambda line: None
+    )
     assert progress.compile_steps == 1 and progress.compile_seconds >= 0.12
     assert progress.steps == len(seconds) and progress.steps >= 9  # 0.1 s of 0.01 s steps, and the compile
     assert 0.1 <= progress.spent < sum(seconds) - 0.1  # the compile step is not in the budget
