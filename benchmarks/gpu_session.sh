@@ -29,8 +29,7 @@
 #   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
-#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch schedule init data) of issue 33's recipe table,
-#          detached:
+#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch schedule data) of issue 33's recipe table, detached:
 #          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
 #          ROW=fp8 is issue 32's quality proof: bf16 (two seeds), fp8 and fp8 + FP8 head drafters trained the
 #          same STEPS (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
@@ -193,13 +192,6 @@ case "${1:-tests}" in
       loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
       schedule) v="cosine:train.lr_schedule=cosine wsd:train.lr_schedule=wsd,train.decay_ratio=0.2" ;;
-      # the final norm's initial weight (docs/training-loop.md, Initial output: SmolLM2's tied head makes the
-      # untrained drafter's first guess the mask token's own direction, CE ~126 nats), crossed with the optimizer
-      # (AdamW against Muon at twice the lr, which led at 2.5 minutes)
-      init) v="adamw-unit:train.optimizer=adamw,model.output_norm_init=unit
-               adamw-calibrated:train.optimizer=adamw,model.output_norm_init=calibrated
-               muon-2x-unit:train.optimizer=muon,train.muon_lr=0.0012,model.output_norm_init=unit
-               muon-2x-calibrated:train.optimizer=muon,train.muon_lr=0.0012,model.output_norm_init=calibrated" ;;
       # data volume: 8,000 answers regenerated once (their own WORK; bench quality's data_s gives the
       # regeneration's answers per GPU-minute), each variant training on the first N of them
       data) v="data-2000:data.max_samples=2000 data-4000:data.max_samples=4000 data-8000:data.max_samples=8000" ;;
@@ -210,7 +202,7 @@ case "${1:-tests}" in
               fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}
               fp8-head:train.precision=fp8,train.fp8_head=true,train.max_minutes=0,train.max_steps=${STEPS:-600}"
            python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
-      *) echo "ROW: optim lr anchors depth block loss arch schedule init data fp8"; exit 1 ;;
+      *) echo "ROW: optim lr anchors depth block loss arch schedule data fp8"; exit 1 ;;
     esac
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
       --work $recipe_work --device cuda --prompts $recipe_prompts --eval-prompts ${EVAL_PROMPTS:-16} \

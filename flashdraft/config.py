@@ -127,9 +127,6 @@ DEFAULT_BLOCK_SIZE = 16
 DRAFTER_FIELDS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id")
 
 
-OUTPUT_NORM_INITS = ("unit", "calibrated")  # model.output_norm_init
-
-
 @dataclass
 class ModelConfig:
     target: str = doc("", "Local directory of the Hugging Face causal LM to draft for (frozen).")
@@ -170,15 +167,6 @@ class ModelConfig:
     )
     sliding_window: int | None = doc(
         None, "Window of the sliding layers of a new drafter; default 2048 when model.layer_types has S."
-    )
-    output_norm_init: str = doc(
-        "unit",
-        "A new drafter's final-norm weight: 'unit' (ones, z-lab's and Qwen3's init) or 'calibrated' (one value "
-        "for every channel, chosen so that the untrained drafter's logits at a masked position have unit "
-        "standard deviation over the vocabulary). On a tied-embedding target 'unit' starts with the mask "
-        "token's own direction as a very confident guess (SmolLM2: logit std 15.7, CE ~126 nats); "
-        "docs/training-loop.md (Initial output). Not with model.drafter (its weights are kept).",
-        choices=OUTPUT_NORM_INITS,
     )
 
 
@@ -859,15 +847,6 @@ def _model_checks(m: ModelConfig, d: DataConfig) -> list[tuple[bool, str]]:
         (
             m.sliding_window is None or m.sliding_window >= 1,
             f"model.sliding_window must be at least 1, got {m.sliding_window}",
-        ),
-        (
-            m.output_norm_init in OUTPUT_NORM_INITS,
-            f"model.output_norm_init must be {' or '.join(OUTPUT_NORM_INITS)}, got {m.output_norm_init!r}",
-        ),
-        (
-            not (m.drafter and m.output_norm_init != "unit"),
-            f"model.output_norm_init={m.output_norm_init} initialises a new drafter; model.drafter={m.drafter} "
-            "brings its own weights (drop model.output_norm_init)",
         ),
         (
             not m.drafter

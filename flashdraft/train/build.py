@@ -33,13 +33,7 @@ from flashdraft.outputs import check_writable_dir
 from flashdraft.phases import PhaseClock
 from flashdraft.run_protocol import Heartbeat
 from flashdraft.train.checkpoint import ResumePoint, find_resume, remove_stale_partials
-from flashdraft.train.drafter_setup import (
-    WARM_START_NAME,
-    build_drafter,
-    calibrate_output_norm,
-    resolved_config,
-    warm_start_record,
-)
+from flashdraft.train.drafter_setup import WARM_START_NAME, build_drafter, resolved_config, warm_start_record
 from flashdraft.train.inputs import TrainingData, load_training_data
 from flashdraft.train.loss import WeightedHeadLoss
 from flashdraft.train.objective import Objective
@@ -158,9 +152,6 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
     target = load_rank_target(
         config.model.target, layer_ids, device, config.distributed.target_parallel, roles
     )
-    if config.model.output_norm_init == "calibrated" and resume_from is None:  # (a resume loads its weights)
-        scale = calibrate_output_norm(drafter, target.embed_weight, target.lm_head_weight)
-        say(f"model.output_norm_init=calibrated: the new drafter's final norm starts at {scale:.4g}")
     if config.train.compile_target:
         compile_target(target)  # whole on this GPU: its decoder layers compile at the first step
     startup.mark("target")

@@ -66,23 +66,6 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
     return drafter
 
 
-def calibrate_output_norm(
-    drafter: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor
-) -> float:
-    """model.output_norm_init=calibrated: fill the new drafter's final-norm weight with the one scale that
-    gives its untrained output unit-std logits over the vocabulary. Untrained, a masked position's output is
-    about the normed embedding of the mask token (the layers add little to the residual), so the logits are
-    the LM head applied to it; on a tied-embedding target that puts the mask token's own direction far
-    ahead of every other (docs/training-loop.md, Initial output). Returns the scale."""
-    with torch.no_grad():
-        row = embed_weight[drafter.mask_token_id].float()
-        normed = row * torch.rsqrt(row.pow(2).mean() + drafter.norm.eps)
-        logits = lm_head_weight @ normed.to(lm_head_weight.dtype)
-        scale = 1.0 / max(float(logits.float().std()), 1e-6)
-        drafter.norm.weight.fill_(scale)
-    return scale
-
-
 def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
     """The config as actually trained: the drafter's shape fields and the γ in use (what config.yaml
     records and a resume compares); model.* values that disagree with model.drafter are an error."""
