@@ -184,7 +184,10 @@ case "${1:-tests}" in
     # at bench quality's defaults (5 layers, block 16) on the same data (prepared once, reused by later rows);
     # then recipe-wait. Every variant spells out the setting it tests, so a default changed later keeps the row.
     case "${ROW:-lr}" in
-      optim) v="adamw:train.optimizer=adamw muon:train.optimizer=muon muon-2x:train.optimizer=muon,train.muon_lr=0.0012" ;;
+      # AdamW at its lr and at twice it (is Muon's lead only a higher lr?), Muon at twice and four times
+      # (muon-1x trailed muon-2x at 2.5 minutes; speculators defaults to 10x with its own scaling)
+      optim) v="adamw:train.optimizer=adamw adamw-2x:train.optimizer=adamw,train.lr=0.0012
+                muon-2x:train.optimizer=muon,train.muon_lr=0.0012 muon-4x:train.optimizer=muon,train.muon_lr=0.0024" ;;
       lr) v="lr-3e-4:train.lr=0.0003 lr-6e-4:train.lr=0.0006 lr-1.2e-3:train.lr=0.0012" ;;
       anchors) v="anchors-128:train.num_anchors=128 anchors-256:train.num_anchors=256 anchors-512:train.num_anchors=512" ;;
       depth) v="layers-2:model.num_layers=2 layers-3:model.num_layers=3 layers-5:model.num_layers=5" ;;
