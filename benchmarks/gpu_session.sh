@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, in parts that each fit one device call (10 min); results land in $OUT.
-# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh tests|eval|probe|train|race|race-wait|...
+# Usage on the device machine: FLASHDRAFT_GIT_COMMIT=$(git rev-parse --short HEAD) (run here; the device copy has no .git) bash benchmarks/gpu_session.sh PART [PART...] (tests|eval|probe|train|race|race-wait|...)
 #   tests: the `gpu`-marked tests and the doctor's GPU checks (~4 min)
 #   suite: the `gpu`-marked tests in three parallel groups, a log each in $OUT (~4 min; carry .gpu and .whl)
 #   eval:  flashdraft bench eval, 8B-shaped target (~7 min)
@@ -104,7 +104,10 @@ waitfor() {
 recipe_work=$REAL/quality recipe_prompts=${PROMPTS:-2000}
 [ "${ROW:-lr}" = data ] && recipe_work=$REAL/quality-8000 recipe_prompts=8000
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-case "${1:-tests}" in
+# several parts in one call run in order (`real-part0 fp8`: a cold start's first call does work too); a part
+# that exits stops the rest
+for part in "${@:-tests}"; do
+case "$part" in
   real-part0)
     mkdir -p $REAL && cp .real/smollm2.gguf.part00 $REAL/ && nvidia-smi --query-gpu=name,memory.used --format=csv ;;
   real-setup)
@@ -437,4 +440,7 @@ print('NVML:', gpu_usage())
       | grep -v -i warn | grep -E "checkpoint|error|Error" | tail -12
     python3 -c "import json,sys; print(json.dumps({k: v for k, v in json.load(open(sys.argv[1]))['checkpoint'].items() if k != 'writes'}))" \
       "$out/ckpt_h200.json" ;;
+  *)
+    echo "gpu_session.sh: no part named $part (the parts are listed at the top of this file)"; exit 2 ;;
 esac
+done
