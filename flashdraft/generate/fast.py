@@ -158,6 +158,16 @@ def draft_inputs(
     return embed(ids), masks
 
 
+def stack_check_layout(queries: int, device: torch.device | str = "cpu") -> tuple[int, Tensor]:
+    """The fused stack check's cache width and its two rows' positions [2, queries]: one block near the
+    cache's start, one ending a column before its end. Both lie inside the cache at any block size: an
+    index past it is a device-side assert on a GPU, which no `except` catches (a fixed width of 16 made
+    every block of 14 or more abort the first compiled step)."""
+    width = max(16, queries + 8)
+    starts = torch.tensor([[3], [width - queries - 1]], device=device)
+    return width, starts + torch.arange(queries, device=device)
+
+
 def greedy_drafts(drafter: DFlashDraftModel, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
     """The drafter's greedy tokens [rows, B-1] of its hidden states at the block positions 1..."""
     return drafter.compute_logits(hidden, lm_head_weight).argmax(-1)
@@ -499,8 +509,8 @@ class FastEngine:
     def _stack_difference(self) -> float:
         twin = stack_twin(self.target)
         g = torch.Generator(device=self.device).manual_seed(0)
-        rows, width, queries = 2, 16, self.block
-        positions = torch.tensor([[3], [width - queries - 1]], device=self.device) + self.offsets
+        width, positions = stack_check_layout(self.block, self.device)
+        rows, queries = positions.shape
         ids = torch.randint(0, twin.vocab_size, positions.shape, generator=g, device=self.device)
         masks = step_masks(torch.arange(width, device=self.device), positions, self.window)
         caches = []

@@ -59,6 +59,21 @@ def test_cuda_graphs_replay_what_eager_steps_compute(pair, rows, speculative):
     assert [r.accepted for r in replayed] == [r.accepted for r in stepped]
 
 
+def test_a_block_of_16_replays_what_eager_steps_compute(pair):
+    """The paper's (and the default) block size through the compiled, captured steps: the fused stack's
+    check fits its cache (at c21111c it indexed past it, a device-side assert that lost the process)."""
+    torch._dynamo.reset()  # its own recompile budget: the block of 16 is a new shape for every graph
+    target, drafter = pair
+    prompts = _prompts(4)
+    graphs = FastEngine(target, drafter, NEW, block_size=16, rows=3)
+    replayed = graphs.generate(prompts)
+    record = graphs.describe()
+    assert record["cuda_graphs"] and record["compiled"] and record["fused_stack"], record
+    stepped = FastEngine(target, drafter, NEW, block_size=16, rows=3, cuda_graphs=False).generate(prompts)
+    assert [r.tokens for r in replayed] == [r.tokens for r in stepped]
+    assert [r.accepted for r in replayed] == [r.accepted for r in stepped]
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_sampled_cuda_graphs_replay_what_eager_steps_draw(pair, rows, speculative):

@@ -203,3 +203,27 @@ def test_a_layer_view_writes_into_the_cache_it_views():
     assert k.shape == v.shape == (2, 1, 6, 3)
     assert torch.equal(keys[0, 0, 4:6], new[0, 0]) and torch.equal(keys[1, 0, 7:9], new[1, 0])
     assert torch.equal(values[1, 0, 7:9], -new[1, 0]) and torch.equal(k, keys[:, :, :6])
+
+
+@pytest.mark.parametrize("queries", [1, 6, 14, 16, 32, 64])
+def test_the_stack_check_fits_its_cache_at_every_block_size(queries):
+    width, positions = fast_engine.stack_check_layout(queries)
+    assert positions.shape == (2, queries)
+    assert positions.min() >= 0 and positions.max() < width  # an index past it aborts a GPU process
+    assert positions[1, -1] == width - 2  # the second row attends to a nearly full cache
+
+
+def test_a_block_of_16_decodes_through_the_checked_fused_stack(pair, prompts):
+    """The paper's block size (the default): the stack check ran and passed, the steps went through the
+    fused stack; at a3e2a80-c21111c the check's cache (16 columns) was too narrow for it, which the CPU
+    caught as an IndexError (the stack refused) and a GPU as a device-side assert (the process lost)."""
+    torch._dynamo.reset()  # its own recompile budget: the block of 16 is a new shape for every graph
+    target, drafter = pair
+    engine = FastEngine(target, drafter, NEW, block_size=16, compile=True, rows=2, bucket=8)
+    runs = engine.generate(prompts[:2])
+    record = engine.describe()
+    assert record["compiled"] and record["fused_stack"] and "compile_note" not in record, record
+    assert record["stack_difference"] < 1e-5
+    eager = [generate(target, drafter, p, NEW, block_size=16) for p in prompts[:2]]
+    assert [run.tokens for run in runs] == [run.tokens for run in eager]
+    assert [run.accepted for run in runs] == [run.accepted for run in eager]
