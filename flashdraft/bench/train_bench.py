@@ -48,7 +48,7 @@ from flashdraft.bench.shapes import (
     build_random_target,
     linear_attention_kernels,
 )
-from flashdraft.config import TrainConfig
+from flashdraft.config import OPTIMIZERS, TrainConfig
 from flashdraft.data.tokens import TokenBatch
 from flashdraft.distributed.compile_workers import start_compile_workers
 from flashdraft.distributed.float8 import FP8_RECIPES, PRECISIONS, float8_head
@@ -62,8 +62,8 @@ from flashdraft.model.target import TargetModel
 from flashdraft.run_protocol import read_metrics
 from flashdraft.train.flops import step_flops
 from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.muon import drafter_optimizer
 from flashdraft.train.objective import Objective
-from flashdraft.train.optim import make_optimizer
 
 SHAPES = {
     "a": {"batch": 2, "seq": 768, "anchors": 256},
@@ -148,8 +148,10 @@ def _build_drafter_step(
     precision: str,
     fp8_recipe: str,
     fp8_head: bool = False,
+    optimizer: str = "adamw",
 ) -> _DrafterStep:
-    """A fresh drafter (block 16, on the target's layer ids) placed on the GPU, its objective and optimizer."""
+    """A fresh drafter (block 16, on the target's layer ids) placed on the GPU, its objective and
+    `optimizer` (train.optimizer, built as the trainer builds it, at the default learning rates)."""
     config = make_drafter_config(
         target.config,
         num_layers=num_layers,
@@ -183,10 +185,8 @@ def _build_drafter_step(
         attention=placement.attention,
         autocast_dtype=placement.autocast_dtype,
     )
-    optimizer = make_optimizer(
-        list(drafter.parameters()), lr=6e-4, weight_decay=0.0, compile=placement.compiled
-    )
-    return _DrafterStep(config, drafter, placement, objective, optimizer)
+    update = drafter_optimizer(drafter, TrainConfig(optimizer=optimizer), compile=placement.compiled)
+    return _DrafterStep(config, drafter, placement, objective, update)
 
 
 def _time_steps(
@@ -272,6 +272,7 @@ def run_shape(
     precision: str = "bf16",
     fp8_recipe: str = "tensorwise",
     fp8_head: bool = False,
+    optimizer: str = "adamw",
     kernels: int = 0,
 ) -> dict:
     """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled; with
@@ -289,6 +290,7 @@ def run_shape(
         precision=precision,
         fp8_recipe=fp8_recipe,
         fp8_head=fp8_head,
+        optimizer=optimizer,
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
@@ -299,6 +301,7 @@ def run_shape(
         **shape,
         "compiled": compile,
         "precision": variant_name(precision, fp8_recipe, fp8_head),
+        "optimizer": optimizer,
         "master_weights": master_weights,
         "loss_chunk": loss_chunk,
         "attention": step.placement.attention,
@@ -464,6 +467,13 @@ def _parser() -> argparse.ArgumentParser:
         help="after each --precision fp8 variant, the same with train.fp8_head (the loss's head GEMMs in FP8)",
     )
     parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        action="append",
+        help="train.optimizer of the step, built as the trainer builds it (repeat to compare; default adamw): "
+        "Muon's Newton-Schulz products at this shape's widths (docs/training-loop.md)",
+    )
+    parser.add_argument(
         "--compile-target",
         action=argparse.BooleanOptionalAction,
         default=TrainConfig.compile_target,
@@ -501,15 +511,25 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     return variants
 
 
-def _against_bf16(result: dict, results: list[dict]) -> None:
-    """`vs_bf16`: the result's step time, throughput and memory against the bf16 drafter of the same
-    shape measured in this process (when there is one)."""
-    base = next((b for b in results if b["shape"] == result["shape"] and b["precision"] == "bf16"), None)
-    if base is not None:
-        result["vs_bf16"] = {
-            key: round(result[key] / base[key], 3)
-            for key in ("drafter_step_ms", "samples_per_s_end_to_end", "peak_memory_GiB")
-        }
+def _against_baselines(result: dict, results: list[dict]) -> None:
+    """`vs_bf16` and `vs_adamw`: the result's step time, throughput and memory against the bf16 drafter
+    with the same optimizer, and against the AdamW one of the same precision, of the same shape measured in
+    this process (where there is one)."""
+    same_shape = [b for b in results if b["shape"] == result["shape"]]
+    bases = {
+        "vs_bf16": [
+            b for b in same_shape if b["precision"] == "bf16" and b["optimizer"] == result["optimizer"]
+        ],
+        "vs_adamw": [
+            b for b in same_shape if b["optimizer"] == "adamw" and b["precision"] == result["precision"]
+        ],
+    }
+    for label, found in bases.items():
+        if found:
+            result[label] = {
+                key: round(result[key] / found[0][key], 3)
+                for key in ("drafter_step_ms", "samples_per_s_end_to_end", "peak_memory_GiB")
+            }
 
 
 def _print_header() -> None:
@@ -520,10 +540,15 @@ def _print_header() -> None:
     )
 
 
+def _variant_label(r: dict) -> str:
+    """A result's precision, and its optimizer where that is not AdamW."""
+    return r["precision"] if r["optimizer"] == "adamw" else f"{r['precision']} {r['optimizer']}"
+
+
 def _print_result(r: dict) -> None:
     """One variant's row under the header, and its breakdown line."""
     print(
-        f"{r['shape']:5} {r['precision']:>19} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
+        f"{r['shape']:5} {_variant_label(r):>19} {r['target_ms']:9.1f} {r['drafter_step_ms']:10.1f} "
         f"{r['drafter_tflop_per_step']:10.2f} {r['drafter_tflops_achieved']:8.1f} "
         f"{r['mfu_vs_datasheet_989']:7.3f} {r['mfu_vs_measured_789']:7.3f} "
         f"{r['samples_per_s_end_to_end']:7.2f} {r['peak_memory_GiB']:8.1f}",
@@ -531,7 +556,7 @@ def _print_result(r: dict) -> None:
     )
     print(
         f"      breakdown: {r['breakdown_ms']} | warmup {r['warmup_s']} s | graphs after warm-up "
-        f"{r['graphs_compiled_after_warmup']} | vs bf16 {r.get('vs_bf16')}",
+        f"{r['graphs_compiled_after_warmup']} | vs bf16 {r.get('vs_bf16')} | vs adamw {r.get('vs_adamw')}",
         flush=True,
     )
 
@@ -550,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_compile:
         start_compile_workers()  # as the trainer does: kernels build in parallel from the first compile
     variants = _variants(args)
+    optimizers = list(dict.fromkeys(args.optimizer or ["adamw"]))
     shape_names = args.shape or ["a", "b"]
     target = build_target(args.target, args.target_layers)
     report = {
@@ -567,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     _print_header()
     results = report["results"]
     for name in shape_names:
-        for precision, recipe, fp8_head in variants:
+        for optimizer, (precision, recipe, fp8_head) in itertools.product(optimizers, variants):
             r = run_shape(
                 name,
                 target,
@@ -581,10 +607,11 @@ def main(argv: list[str] | None = None) -> int:
                 precision=precision,
                 fp8_recipe=recipe,
                 fp8_head=fp8_head,
+                optimizer=optimizer,
                 kernels=args.kernels,
             )
             torch.cuda.empty_cache()
-            _against_bf16(r, results)
+            _against_baselines(r, results)
             results.append(r)
             _print_result(r)
             # after each variant: a run cut short by a time limit keeps what it measured

@@ -30,11 +30,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from flashdraft.config import TrainConfig
 from flashdraft.train.optim import (
     ClippedAdamW,
     ClippedTorchOptimizer,
     MasterWeightAdamW,
     MasterWeightOptimizer,
+    make_optimizer,
 )
 
 # torch.optim.Muon's defaults (Keller Jordan's coefficients, 5 iterations)
@@ -256,3 +258,20 @@ def make_muon_optimizer(
         adamw = MasterWeightAdamW(others, lr=lr, weight_decay=weight_decay, compile=compile)
         muon = MasterWeightMuon(matrices, **muon_settings)
     return MuonWithAdamW(adamw, muon)
+
+
+def drafter_optimizer(drafter: torch.nn.Module, t: TrainConfig, compile: bool) -> torch.optim.Optimizer:
+    """train.optimizer over the drafter's parameters: AdamW, or Muon for its hidden-layer matrices with
+    AdamW for the rest (above). Built after placement: the master weights view the placed weights."""
+    params = list(drafter.parameters())
+    if t.optimizer == "muon":
+        return make_muon_optimizer(
+            params,
+            muon_matrices(drafter),
+            lr=t.lr,
+            muon_lr=t.muon_lr if t.muon_lr is not None else t.lr,
+            momentum=t.muon_momentum,
+            weight_decay=t.weight_decay,
+            compile=compile,
+        )
+    return make_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, compile=compile)

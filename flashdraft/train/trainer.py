@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from flashdraft.config import Config, TrainConfig, to_dict
+from flashdraft.config import Config, to_dict
 from flashdraft.distributed.float8 import float8_head
 from flashdraft.distributed.parallelize import Placement, full_state_dicts, pad_multiple, unsharded_copy
 from flashdraft.distributed.roles import StepHooks
@@ -56,9 +56,8 @@ from flashdraft.train.flops import peak_tflops
 from flashdraft.train.inputs import TrainingData
 from flashdraft.train.loss import WeightedHeadLoss, selector_weight
 from flashdraft.train.metrics import MetricsLogger
-from flashdraft.train.muon import make_muon_optimizer, muon_matrices
+from flashdraft.train.muon import drafter_optimizer
 from flashdraft.train.objective import Objective
-from flashdraft.train.optim import make_optimizer
 from flashdraft.train.prefetch import DrawnStep, StepPrefetcher
 from flashdraft.train.profiling import StepProfiler
 from flashdraft.train.real_eval import RealDecoder, decoding_copy, plan_real_eval
@@ -586,23 +585,6 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         peak_tflops=peak_tflops(run.device),
         real_eval=real_eval,
     )
-
-
-def drafter_optimizer(drafter: torch.nn.Module, t: TrainConfig, compile: bool) -> torch.optim.Optimizer:
-    """train.optimizer over the drafter's parameters: AdamW, or Muon for its hidden-layer matrices with
-    AdamW for the rest (train/muon.py). Built after placement: the master weights view the placed weights."""
-    params = list(drafter.parameters())
-    if t.optimizer == "muon":
-        return make_muon_optimizer(
-            params,
-            muon_matrices(drafter),
-            lr=t.lr,
-            muon_lr=t.muon_lr if t.muon_lr is not None else t.lr,
-            momentum=t.muon_momentum,
-            weight_decay=t.weight_decay,
-            compile=compile,
-        )
-    return make_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, compile=compile)
 
 
 def training_line(run: RunStart, placement: Placement) -> str:

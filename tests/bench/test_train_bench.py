@@ -183,3 +183,38 @@ def test_the_precision_variants_each_once_with_the_fp8_head_after_each_fp8_recip
     ]
     names = [train_bench.variant_name(*v) for v in variants]
     assert names == ["bf16", "fp8-tensorwise", "fp8-tensorwise+head", "fp8-rowwise", "fp8-rowwise+head"]
+
+
+def test_each_variant_is_set_against_bf16_with_its_optimizer_and_against_adamw_at_its_precision():
+    def result(precision, optimizer, ms, rate, gib):
+        return {
+            "shape": "a",
+            "precision": precision,
+            "optimizer": optimizer,
+            "drafter_step_ms": ms,
+            "samples_per_s_end_to_end": rate,
+            "peak_memory_GiB": gib,
+        }
+
+    results = [
+        result("bf16", "adamw", 100.0, 10.0, 40.0),
+        result("fp8-tensorwise", "adamw", 80.0, 12.0, 38.0),
+    ]
+    muon = result("bf16", "muon", 150.0, 8.0, 36.0)
+    train_bench._against_baselines(muon, results)
+    assert "vs_bf16" not in muon  # it is its optimizer's bf16
+    assert muon["vs_adamw"] == {
+        "drafter_step_ms": 1.5,
+        "samples_per_s_end_to_end": 0.8,
+        "peak_memory_GiB": 0.9,
+    }
+    results.append(muon)
+    fp8_muon = result("fp8-tensorwise", "muon", 120.0, 9.0, 34.0)
+    train_bench._against_baselines(fp8_muon, results)
+    assert fp8_muon["vs_bf16"]["drafter_step_ms"] == 0.8  # against bf16 with Muon, not with AdamW
+    assert fp8_muon["vs_adamw"]["drafter_step_ms"] == 1.5  # against fp8 with AdamW
+    assert train_bench._parser().parse_args(["--optimizer", "adamw", "--optimizer", "muon"]).optimizer == [
+        "adamw",
+        "muon",
+    ]
+    assert train_bench._variant_label(fp8_muon) == "fp8-tensorwise muon"
