@@ -223,7 +223,8 @@ class TrainConfig:
         "'adamw' (the paper's), or 'muon': Muon (momentum orthogonalised by Newton-Schulz) for the 2-D weight "
         "matrices of the drafter's own layers and its feature fusion fc, the matrices of hidden layers that "
         "Muon is made for, and AdamW for the rest (norms, DFlash2's selector and base kernels: 1-D, "
-        "embedding-like or head-like). Measured against adamw: one row, Muon ahead (docs/training-loop.md). Not with "
+        "embedding-like or head-like). On SmolLM2, Muon at muon_lr 2.4e-3 beat AdamW by 30% real τ in 5 minutes; "
+        "on an 8B-wide drafter its update costs 193 ms a step (docs/training-loop.md). Not with "
         "distributed.data_parallel=fsdp (Muon needs whole matrices).",
         choices=OPTIMIZERS,
     )
