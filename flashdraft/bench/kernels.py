@@ -1,11 +1,12 @@
-"""Where device time goes, from a torch.profiler run: the kernels (aten operators on the CPU) with the most
-self time, per repeat. Shared by `bench regen --step-time --profile` and `bench train --kernels`."""
+"""Where device time goes, from a torch.profiler run: the kernels on a GPU (aten operators on the CPU) with
+the most self time, per repeat. Shared by `bench regen --step-time --profile` and `bench train --kernels`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -26,7 +27,13 @@ def top_kernels(run: Callable[[], object], repeats: int, device: torch.device, c
             run()
         if on_gpu:
             torch.cuda.synchronize(device)
-    events = [e for e in prof.key_averages() if _self_us(e, on_gpu) > 0]
+    # On a GPU the device's own rows alone: a CPU operator (aten::mm) or a compiled kernel's launcher reports
+    # the device time of the kernels it launched too, and counted beside them it doubled the total.
+    events = [
+        e
+        for e in prof.key_averages()
+        if _self_us(e, on_gpu) > 0 and (not on_gpu or getattr(e, "device_type", None) == DeviceType.CUDA)
+    ]
     total = sum(_self_us(e, on_gpu) for e in events) or 1.0
     return [
         {

@@ -296,6 +296,7 @@ def run_shape(
     timed = _time_steps(step, target, batches, warmup, steps)
     breakdown = profile_breakdown(step.objective, step.optimizer, batches[0].to(torch.device("cuda")))
     top = step_kernels(step.objective, step.optimizer, batches[0].to(torch.device("cuda")), kernels)
+    forward_top = forward_kernels(step.objective, batches[0].to(torch.device("cuda")), kernels)
     return {
         "shape": name,
         **shape,
@@ -306,7 +307,7 @@ def run_shape(
         "loss_chunk": loss_chunk,
         "attention": step.placement.attention,
         **_measurements(step, shape, timed, breakdown),
-        **({"top_kernels": top} if kernels else {}),
+        **({"top_kernels": top, "forward_kernels": forward_top} if kernels else {}),
     }
 
 
@@ -378,6 +379,20 @@ def step_kernels(objective: Objective, optimizer, batch: TokenBatch, count: int)
         optimizer.zero_grad(set_to_none=True)
 
     return top_kernels(one_step, 3, batch.input_ids.device, count)
+
+
+def forward_kernels(objective: Objective, batch: TokenBatch, count: int) -> list[dict]:
+    """The drafter's forward and loss alone (the target's features and the blocks made before, no
+    backward): its `count` largest kernels per call over 3 calls, so that the forward's GEMMs are not
+    mixed with the target's (step_kernels has both)."""
+    if count <= 0:
+        return []
+    blocks, features = objective.blocks(batch), objective.target.features(batch.input_ids)
+
+    def forward() -> None:
+        objective(batch, blocks, features=features)
+
+    return top_kernels(forward, 3, batch.input_ids.device, count)
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -135,6 +135,27 @@ def test_step_kernels_profile_the_whole_training_step_largest_first(qwen3_target
     assert any(not torch.equal(a, b) for a, b in zip(before, trained, strict=True))
 
 
+def test_forward_kernels_profile_the_drafters_forward_alone(qwen3_target):
+    """`--kernels` also lists the drafter's forward and loss alone (the target's features made before): its
+    GEMMs apart from the target's; no backward and no update (the weights stay)."""
+    from flashdraft.train.loss import WeightedHeadLoss
+    from flashdraft.train.objective import Objective
+
+    from ..train.helpers import tiny_pair, token_batch
+
+    drafter, target = tiny_pair(qwen3_target, block_size=4)
+    objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=WeightedHeadLoss(chunk=7))
+    batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
+    before = [p.detach().clone() for p in drafter.parameters()]
+    assert train_bench.forward_kernels(objective, batch, 0) == []
+    top = train_bench.forward_kernels(objective, batch, 6)
+    times = [k["us_per_step"] for k in top]
+    assert len(top) == 6 and times == sorted(times, reverse=True) and times[0] > 0
+    assert any("mm" in k["name"] or "linear" in k["name"] for k in top), [k["name"] for k in top]
+    assert not any("backward" in k["name"].lower() for k in top)
+    assert all(torch.equal(a, b) for a, b in zip(before, drafter.parameters(), strict=True))
+
+
 @pytest.mark.slow
 def test_checkpoint_every_reports_a_checkpointing_step_against_a_plain_one(tmp_path, qwen3_target):
     """`bench train --checkpoint-every K` on the CPU (the real trainer and its background writer, one
