@@ -82,13 +82,53 @@ def float8_config(recipe: str, *, pad_inner_dim: bool = True, emulate: bool = Fa
     return dataclasses.replace(config, pad_inner_dim=pad_inner_dim, emulate=emulate)
 
 
-def _float8_gemm(x: Tensor, weight: Tensor, bias: Tensor | None, *, layer: nn.Module, apply) -> Tensor:
-    """F.linear(x, weight, bias) through torchao's FP8 matmul, with `layer`'s casts (Float8Linear.forward
-    for a weight that is not the layer's own: the concatenation of several layers' weights)."""
+def _float8_gemm(
+    x: Tensor, weights: list[Tensor], bias: Tensor | None, *, layer: nn.Module, apply, cast_weight=None
+) -> Tensor:
+    """F.linear(x, cat(weights), bias) through torchao's FP8 matmul with `layer`'s casts (Float8Linear.forward
+    for a weight that is not the layer's own: the concatenation of several layers' weights). `cast_weight`
+    (a tensorwise recipe's, `_fused_weight_cast`) casts the concatenation here, once for the forward and the
+    backward's input gradient."""
     if torch.is_autocast_enabled():
         x = x.to(torch.get_autocast_gpu_dtype())
-    out = apply(x, weight.t(), layer.linear_mm_config, layer.config)
+    operand = (weights[0] if len(weights) == 1 else torch.cat(weights)).t()
+    if len(weights) > 1 and cast_weight is not None:
+        operand = cast_weight(weights, operand, layer)
+    out = apply(x, operand, layer.linear_mm_config, layer.config)
     return out if bias is None else out + bias.to(out.dtype)
+
+
+def _fused_weight_cast(config):
+    """The cast of a concatenated weight for `_float8_gemm`, or None where the recipe does not cast the
+    weight alike for both GEMMs that read it (the forward's, the input gradient's): one dynamic scale for
+    the whole tensor, to one dtype, as the tensorwise recipe does.
+
+    torchao would take the amax over the concatenation itself, which compiled to one reduction kernel ~13x
+    slower than a read of the weight (0.65 ms a layer on the H200, docs/fp8.md), and again in the backward.
+    Here the amax is the largest of each weight's own (the same value, so the same scale and the same
+    float8 bits), and the cast tensor serves both GEMMs: torchao's matmul uses a float8 argument as it is,
+    and its constructor passes the gradient through to the weights."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    casts = (config.cast_config_weight, config.cast_config_weight_for_grad_input)
+    alike = casts[0].target_dtype == casts[1].target_dtype and all(
+        c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
+        for c in casts
+    )
+    if not alike:
+        return None
+    dtype, power_of_2 = casts[0].target_dtype, config.round_scales_to_power_of_2
+
+    def cast(weights: list[Tensor], weight_t: Tensor, layer: nn.Module) -> Tensor:
+        with torch.no_grad():
+            scale = amax_to_scale(torch.stack([w.abs().amax() for w in weights]).amax(), dtype, power_of_2)
+        return hp_tensor_and_scale_to_float8(
+            weight_t, scale, dtype, layer.linear_mm_config, GemmInputRole.WEIGHT
+        )
+
+    return cast
 
 
 def convert_to_float8(
@@ -107,9 +147,12 @@ def convert_to_float8(
         return False
 
     float8.convert_to_float8_training(drafter, module_filter_fn=wanted, config=config)
+    cast_weight = _fused_weight_cast(config)
     for module in drafter.modules():
         if isinstance(module, float8_linear):
-            module.fused_gemm = functools.partial(_float8_gemm, layer=module, apply=matmul.apply)
+            module.fused_gemm = functools.partial(
+                _float8_gemm, layer=module, apply=matmul.apply, cast_weight=cast_weight
+            )
     return converted
 
 

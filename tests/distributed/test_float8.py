@@ -105,6 +105,52 @@ def test_the_fused_projections_take_the_fp8_gemm(qwen3_target, recipe):
     assert 1e-4 < error < 0.1, error  # e4m3 keeps 3 mantissa bits: a few percent, never exact
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_fused_weight_cast_is_torchaos_own_bit_for_bit_and_made_once(qwen3_target, recipe, monkeypatch):
+    """Tensorwise, the q/k/v concatenation is cast by flashdraft (its amax the largest of each weight's own)
+    once, for the forward and the input gradient: output and every gradient are torchao's cast of the
+    concatenation's, bit for bit, and torchao casts no weight itself. Rowwise it is left to torchao."""
+    from torchao.float8 import float8_linear as torchao_linear
+
+    _float8_linear()
+    drafter, _ = tiny_pair(qwen3_target)
+    convert_to_float8(drafter, recipe, emulate=True)
+    attn = drafter.layers[0].self_attn
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(2, 32, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    cast, roles = torchao_linear.hp_tensor_to_float8_dynamic, []
+    monkeypatch.setattr(
+        torchao_linear,
+        "hp_tensor_to_float8_dynamic",
+        lambda *args, **kwargs: roles.append(kwargs["gemm_input_role"].name) or cast(*args, **kwargs),
+    )
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        roles.clear()
+        inputs = x.clone().requires_grad_()
+        layer = attn.q_proj
+        if fused:
+            out = fused_linear(inputs, projections)
+        else:  # torchao's matmul on the concatenation, as before the cast moved here
+            weight = torch.cat([p.weight for p in projections])
+            out = torchao_linear.matmul_with_hp_or_float8_args.apply(
+                inputs, weight.t(), layer.linear_mm_config, layer.config
+            )
+        out.square().sum().backward()
+        grads = [inputs.grad, *(p.weight.grad for p in projections)]
+        for p in projections:
+            p.weight.grad = None
+        return [out.detach(), *grads]
+
+    fused, reference = run(True), run(False)
+    torchao_roles = list(roles)
+    fused = run(True)
+    for got, want in zip(fused, reference, strict=True):
+        assert torch.equal(got, want)
+    assert torchao_roles.count("WEIGHT") == 2  # torchao's path: the forward's cast and the backward's
+    assert roles.count("WEIGHT") == (0 if recipe == "tensorwise" else 2)
+
+
 def test_an_fp8_objective_step_is_near_the_plain_one(qwen3_target):
     """Loss and gradients of one step with every drafter GEMM on float8-rounded operands (emulated) against
     the same drafter in fp32: the loss within 1%, each gradient within FP8 noise (and not exact)."""
@@ -213,3 +259,20 @@ def test_fp8_head_refusals_name_the_field():
     with pytest.raises(FlashdraftError, match=r"train\.fp8_head needs .* multiples of 16") as caught:
         float8_head(torch.zeros(100, 32))
     assert "\n" not in str(caught.value) and "train.fp8_head=false" in str(caught.value)
+
+
+def test_the_fused_weight_cast_compiles_into_one_graph(qwen3_target):
+    """The cast made in `_float8_gemm` traces whole (fullgraph) and gives the eager cast's output."""
+    _float8_linear()
+    torch._dynamo.reset()
+    drafter, _ = tiny_pair(qwen3_target)
+    convert_to_float8(drafter, "tensorwise", emulate=True)
+    attn = drafter.layers[0].self_attn
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(2, 32, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+
+    def qkv(inputs: torch.Tensor) -> torch.Tensor:
+        return fused_linear(inputs, projections)
+
+    compiled = torch.compile(qkv, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), qkv(x))
