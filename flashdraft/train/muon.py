@@ -13,7 +13,8 @@ Two precisions, as with AdamW alone (train/optim.py):
   as the AdamW part's are, and steps matrix by matrix with the same arithmetic as torch.optim.Muon.
 
 `MuonWithAdamW` joins the two parts behind the one interface the trainer calls; both clip by the norm of
-all the drafter's gradients together, before the update, as AdamW alone does.
+all the drafter's gradients together, before the update, as AdamW alone does. `drafter_optimizer` builds
+whichever `train.optimizer` names (the trainer's and `bench train`'s one builder).
 
 The learning rate: `adjust_lr_fn="match_rms_adamw"` scales each matrix's step to the RMS of a typical
 AdamW step (0.2 sqrt(max(rows, cols)) times the lr), so the AdamW lr (and weight decay) carry over to the
