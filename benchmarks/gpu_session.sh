@@ -7,8 +7,8 @@
 #   train: flashdraft bench train, shapes (a) and (b) (~6 min)
 #   fp8:   torchao from WHL (default .whl), bench train SHAPE (default a) bf16 vs fp8 FP8_RECIPES (default
 #          tensorwise; "tensorwise rowwise" for both), each also with the FP8 head (train.fp8_head), the target's
-#          forward eager vs compiled inside it, each variant's KERNELS (default 20) largest kernels (why the
-#          drafter's forward did not move with FP8 at 336051f), then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S
+#          forward eager vs compiled inside it, each variant's KERNELS (default 20) largest kernels over the
+#          step and over the drafter's forward and loss alone (forward_kernels), then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S
 #          bound each part)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
