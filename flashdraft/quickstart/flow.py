@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flashdraft.config import Config, Sampling, load_config
+from flashdraft.config import Config, Sampling, load_config, parse_override
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
@@ -321,11 +321,42 @@ def real_plan(out: Path, console: Console, steps: int | None, which: str = "smol
     )
 
 
+# What the flow itself decides: the target it built, its data, its run directory and device.
+QUICKSTART_OWNS = (
+    "model.target",
+    "data.",
+    "train.out_dir",
+    "train.device",
+    "train.resume",
+    "train.max_steps",
+)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """`key=value` training overrides for step 3, checked before any work: each key known and its value
+    valid (as `flashdraft train` checks them), none of the keys the flow sets itself (QUICKSTART_OWNS)."""
+    for text in overrides:
+        key, _ = parse_override(text)
+        owned = [k for k in QUICKSTART_OWNS if key == k or (k.endswith(".") and key.startswith(k))]
+        if owned:
+            raise FlashdraftError(
+                f"quickstart override {text!r}: the quickstart sets {key} itself (it builds the target, its "
+                f"data and the run; --steps sets the steps); it takes model.* and train.* settings"
+            )
+    load_config(None, overrides)
+
+
 def quickstart(
-    out: str | Path = "runs/quickstart", steps: int | None = None, real: bool | str = False
+    out: str | Path = "runs/quickstart",
+    steps: int | None = None,
+    real: bool | str = False,
+    overrides: list[str] | None = None,
 ) -> dict:
     """Steps 1 to 5 of the module's docstring under `out` (`real`: True or a real target's name, e.g.
-    "gemma3"); returns the train and held-out rows, the decoding report and what the target learned."""
+    "gemma3"), the drafter trained with `overrides` (`key=value`, `check_overrides`) after the plan's own
+    settings; returns the train and held-out rows, the decoding report and what the target learned."""
+    overrides = list(overrides or [])
+    check_overrides(overrides)
     console = Console()
     out = Path(out)
     check_writable_dir(out, "--out")
@@ -341,13 +372,13 @@ def quickstart(
         steps = steps or DEFAULT_STEPS
         plan = tiny_plan(out, console)
 
-    config = drafter_config(plan, out, steps)
+    config = drafter_config(plan, out, steps, overrides)
     shutil.rmtree(
         out / "run", ignore_errors=True
     )  # each quickstart trains afresh; the run directory is its own
     console.print(
         f"[bold]3.[/] training a {plan.drafter_layers}-layer drafter (block {plan.block_size}) for {steps} "
-        f"steps on the {plan.device.upper()}"
+        f"steps on the {plan.device.upper()}" + (f", with {' '.join(overrides)}" if overrides else "")
     )
     result = train(config)
 
@@ -391,9 +422,9 @@ def quickstart(
     }
 
 
-def drafter_config(plan: Plan, out: Path, steps: int) -> Config:
+def drafter_config(plan: Plan, out: Path, steps: int, overrides: list[str] = ()) -> Config:
     """The training config of step 3: the plan's drafter and data, `steps` steps, evaluated
-    `plan.eval_points` times, one checkpoint at the end, trained afresh under out/run."""
+    `plan.eval_points` times, one checkpoint at the end, trained afresh under out/run; then `overrides`."""
     return load_config(
         None,
         [
@@ -415,6 +446,7 @@ def drafter_config(plan: Plan, out: Path, steps: int) -> Config:
             f"train.save_every={steps}",
             "train.resume=never",
             f"train.device={plan.device}",
+            *overrides,
         ],
     )
 
