@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,7 +378,7 @@ def quickstart(
         out / "run", ignore_errors=True
     )  # each quickstart trains afresh; the run directory is its own
     console.print(
-        f"[bold]3.[/] training a {plan.drafter_layers}-layer drafter (block {plan.block_size}) for {steps} "
+        f"[bold]3.[/] training a {config.model.num_layers}-layer drafter (block {config.model.block_size}) for {steps} "
         f"steps on the {plan.device.upper()}" + (f", with {' '.join(overrides)}" if overrides else "")
     )
     result = train(config)
@@ -422,7 +423,7 @@ def quickstart(
     }
 
 
-def drafter_config(plan: Plan, out: Path, steps: int, overrides: list[str] = ()) -> Config:
+def drafter_config(plan: Plan, out: Path, steps: int, overrides: Sequence[str] = ()) -> Config:
     """The training config of step 3: the plan's drafter and data, `steps` steps, evaluated
     `plan.eval_points` times, one checkpoint at the end, trained afresh under out/run; then `overrides`."""
     return load_config(
