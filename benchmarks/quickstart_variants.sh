@@ -1,0 +1,32 @@
+#!/bin/bash
+# `flashdraft quickstart --real` once per variant NAME:KEY=VALUE,KEY=VALUE (a bare `NAME:` runs the defaults), on
+# one GPU, for issue 33's quickstart goal. The first variant makes the data (conversion, regenerated answers) in
+# $ROOT/qs-NAME; the others start on a copy of it as soon as its held-out shards exist, so every drafter trains on
+# the same answers. Steps, not minutes, bound each run: sharing the GPU changes their times, not their drafters
+# (the first run's whole-command time and speedup are then not a lone run's). Writes $ROOT/qs-NAME.log for each
+# and $ROOT/qs-variants.done at the end. Usage (after gpu_session.sh real-setup, with /tmp/site on PYTHONPATH):
+#   bash benchmarks/quickstart_variants.sh muon:train.optimizer=muon,train.muon_lr=0.006 adamw:
+root=${ROOT:-/tmp}
+rm -f "$root/qs-variants.done"
+run() {  # NAME OVERRIDES
+  local name=$1 seconds=$SECONDS
+  python3 -m flashdraft quickstart --real --out "$root/qs-$name" $(echo "$2" | tr ',' ' ') > "$root/qs-$name.log" 2>&1
+  echo "rc $? in $((SECONDS - seconds)) s" >> "$root/qs-$name.log"
+}
+first=${1%%:*}
+run "$first" "${1#*:}" &
+pids=$!
+until [ -f "$root/qs-$first/eval-shards/manifest.json" ]; do
+  kill -0 "$pids" 2>/dev/null || { echo "the first variant ended before its data was made"; exit 1; }
+  sleep 5
+done
+for variant in "${@:2}"; do
+  name=${variant%%:*}
+  mkdir -p "$root/qs-$name"
+  cp -al "$root/qs-$first"/{target,shards,eval-shards} "$root/qs-$name/"
+  cp "$root/qs-$first"/{conversations,heldout}.jsonl "$root/qs-$name/"
+  run "$name" "${variant#*:}" &
+  pids="$pids $!"
+done
+wait $pids
+touch "$root/qs-variants.done"
