@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -126,3 +127,6 @@ def test_quickstart_overrides_come_after_the_plans_settings(tmp_path):
     )
     assert (config.train.optimizer, config.train.lr, config.model.num_layers) == ("muon", 1e-3, 3)
     assert config.train.max_steps == 10 and config.model.block_size == 8  # the rest is the plan's
+    muon = qs.drafter_config(dataclasses.replace(plan, optimizer="muon", muon_lr=6e-3), tmp_path, 10)
+    assert (muon.train.optimizer, muon.train.muon_lr, muon.train.lr) == ("muon", 6e-3, 3e-3)
+    assert qs.drafter_config(dataclasses.replace(plan, optimizer="muon"), tmp_path, 10).train.muon_lr is None
