@@ -64,7 +64,7 @@ def shape_a_mask(batch: int, seq: int, anchors: int, block: int, device: str):
     return flex_block_masks(blocks, seq, [kind])[kind.key]
 
 
-def time_variant(fn, q, k, v, mask, options, reps: int) -> dict:
+def time_variant(fn, q, k, v, grad, mask, options, reps: int) -> dict:
     def run(backward: bool):
         qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
         out = fn(qq, kk, vv, block_mask=mask, enable_gqa=True, kernel_options=options)
@@ -73,7 +73,6 @@ def time_variant(fn, q, k, v, mask, options, reps: int) -> dict:
             return out, qq.grad, kk.grad, vv.grad
         return (out,)
 
-    grad = torch.randn_like(q)
     passes = (False, True) if q.is_cuda else (False,)  # flex has no backward on the CPU (a smoke run)
     start = _now()
     run(passes[-1])  # compiles forward and backward
@@ -131,6 +130,7 @@ def main() -> None:
         "flop_fwd_G": round(flop_fwd / 1e9, 2),
         "variants": {},
     }
+    grad = torch.randn_like(q)  # one output gradient for every variant, so their gradients compare
     compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     reference = None
     runs = list(VARIANTS.items())
@@ -145,7 +145,7 @@ def main() -> None:
             )
             options = None
         try:
-            row = time_variant(fn, q, k, v, mask, options, args.reps)
+            row = time_variant(fn, q, k, v, grad, mask, options, args.reps)
         except Exception as error:  # a kernel option this torch does not take: say so, go on
             report["variants"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             print(f"{name:40s} error {type(error).__name__}: {str(error)[:120]}")

@@ -34,9 +34,10 @@ from flashdraft.run_protocol import read_metrics
 from flashdraft.train.trainer import train
 
 DEFAULT_STEPS = 200
-# drafter steps of --real by device: with Muon the held-out τ was still rising at 1,500 steps on the GPU
+# drafter steps of --real by device; 2,400 on the GPU (Muon) raised the simulated held-out τ from 2.49 to 2.58
+# but not the decoded τ, while its held-out loss rose after step 1,500 and the run took 6.4 minutes
 # (docs/real-target.md, "The optimizer")
-REAL_STEPS = {"cuda": 2400, "cpu": 40}
+REAL_STEPS = {"cuda": 1500, "cpu": 40}
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
