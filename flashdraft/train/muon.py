@@ -28,6 +28,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -90,6 +91,30 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr
 
 
+def muon_direction(
+    grad: Tensor, momentum_buffer: Tensor, grad_multiplier: Tensor | None, setting: dict
+) -> Tensor:
+    """Advance a matrix's momentum by its gradient (bf16, or fp32 sums) times the clip factor, and return the
+    direction Muon orthogonalises: the Nesterov look-ahead, or the momentum itself."""
+    g = grad.float()
+    if grad_multiplier is not None:
+        g = g * grad_multiplier
+    momentum = setting["momentum"]
+    momentum_buffer.lerp_(g, 1 - momentum)
+    return g.lerp(momentum_buffer, momentum) if setting["nesterov"] else momentum_buffer
+
+
+def orthogonalise(direction: Tensor, setting: dict) -> Tensor:
+    return newton_schulz(direction, setting["ns_coefficients"], setting["ns_steps"], setting["eps"])
+
+
+def apply_muon_step(master: Tensor, ortho: Tensor, setting: dict) -> None:
+    """Decay the fp32 `master` and step it along the orthogonalised direction at the matrix's adjusted lr."""
+    lr = setting["lr"]
+    master.mul_(1 - lr * setting["weight_decay"])
+    master.add_(ortho, alpha=-adjusted_lr(lr, setting["adjust_lr_fn"], master.shape))
+
+
 def muon_update(
     grad: Tensor,
     master: Tensor,
@@ -99,16 +124,22 @@ def muon_update(
 ) -> None:
     """One Muon update of a matrix's fp32 `master` and momentum from its gradient (bf16, or fp32 sums) times
     the clip factor; `setting` is the parameter group (lr, weight decay, momentum, Newton–Schulz)."""
-    g = grad.float()
-    if grad_multiplier is not None:
-        g = g * grad_multiplier
-    momentum = setting["momentum"]
-    momentum_buffer.lerp_(g, 1 - momentum)
-    update = g.lerp(momentum_buffer, momentum) if setting["nesterov"] else momentum_buffer
-    ortho = newton_schulz(update, setting["ns_coefficients"], setting["ns_steps"], setting["eps"])
-    lr = setting["lr"]
-    master.mul_(1 - lr * setting["weight_decay"])
-    master.add_(ortho, alpha=-adjusted_lr(lr, setting["adjust_lr_fn"], master.shape))
+    direction = muon_direction(grad, momentum_buffer, grad_multiplier, setting)
+    apply_muon_step(master, orthogonalise(direction, setting), setting)
+
+
+def newton_schulz_owners(shapes: list[torch.Size], ranks: int) -> list[int]:
+    """Which rank orthogonalises each matrix: the costliest first (Newton–Schulz on an m x n matrix costs about
+    m n min(m, n)), each to the least-loaded rank so far, ties to the lower rank and index, so every rank
+    computes the same assignment without talking."""
+    cost = [s[0] * s[1] * min(s[0], s[1]) for s in shapes]
+    load = [0] * ranks
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += cost[i]
+    return owners
 
 
 class ClippedMuon(ClippedTorchOptimizer, torch.optim.Muon):
@@ -118,7 +149,13 @@ class ClippedMuon(ClippedTorchOptimizer, torch.optim.Muon):
 class MasterWeightMuon(MasterWeightOptimizer):
     """Muon over low-precision 2-D parameters with fp32 master weights and momenta in flat buffers. The update
     runs matrix by matrix (Newton–Schulz needs each whole), eagerly: its cost is the products, not the
-    elementwise work a compiled kernel would fuse."""
+    elementwise work a compiled kernel would fuse.
+
+    `split_ranks` (data parallel without sharding: every rank steps from the same summed gradients): the ranks
+    of `group` share the Newton–Schulz products, each orthogonalising its share of the matrices
+    (`newton_schulz_owners`) and broadcasting the bf16 result to the others; every rank then applies every
+    matrix's step. The momenta (elementwise, cheap) advance on every rank. So the ranks end with the same bits
+    a single process computes, for 1/N of the products and one bf16 copy of the matrices on the wire."""
 
     def __init__(
         self,
@@ -132,8 +169,12 @@ class MasterWeightMuon(MasterWeightOptimizer):
         ns_steps: int = NS_STEPS,
         eps: float = NS_EPS,
         adjust_lr_fn: str | None = ADJUST_LR,
+        split_ranks: bool = False,
+        group: dist.ProcessGroup | None = None,
     ):
         params = list(params)
+        self.split_ranks = split_ranks and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group
         for p in params:
             if p.ndim != 2:
                 raise ValueError(f"Muon updates 2-D matrices, got a parameter of shape {tuple(p.shape)}")
@@ -158,10 +199,34 @@ class MasterWeightMuon(MasterWeightOptimizer):
                 group.slots(group.moments["momentum_buffer"]),
                 strict=True,
             )
-            for grad, master, momentum_buffer in matrices:
-                muon_update(grad, master, momentum_buffer, self._grad_multiplier, setting)
+            if self.split_ranks:
+                self._split_step(list(matrices), setting)
+            else:
+                for grad, master, momentum_buffer in matrices:
+                    muon_update(grad, master, momentum_buffer, self._grad_multiplier, setting)
             group.weights.copy_(group.master)  # the model's weights: the rounded masters
         self._step_done()
+
+    def _split_step(self, matrices: list[tuple[Tensor, Tensor, Tensor]], setting: dict) -> None:
+        """The step with the Newton–Schulz products shared by the ranks (class docstring). The broadcasts are
+        issued in matrix order on every rank, asynchronously, so a rank's own products overlap the others'
+        transfers."""
+        rank, ranks = dist.get_rank(self.group), dist.get_world_size(self.group)
+        owners = newton_schulz_owners([master.shape for _, master, _ in matrices], ranks)
+        orthos, works = [], []
+        for (grad, master, momentum_buffer), owner in zip(matrices, owners, strict=True):
+            direction = muon_direction(grad, momentum_buffer, self._grad_multiplier, setting)
+            if owner == rank:  # contiguous: a tall matrix's result is a transposed view, and a broadcast
+                ortho = orthogonalise(direction, setting).contiguous()  # sends the storage as it lies
+            else:
+                ortho = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+            source = owner if self.group is None else dist.get_global_rank(self.group, owner)
+            works.append(dist.broadcast(ortho, src=source, group=self.group, async_op=True))
+            orthos.append(ortho)
+        for work in works:
+            work.wait()
+        for (_, master, _), ortho in zip(matrices, orthos, strict=True):
+            apply_muon_step(master, ortho, setting)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -175,6 +240,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(params, {})  # torch's bookkeeping (hooks, the scheduler's checks)
         self.param_groups = [group for part in self.parts.values() for group in part.param_groups]
         self._clip: tuple[float, Tensor] | None = None
+
+    @property
+    def split_ranks(self) -> bool:
+        """Whether the ranks share the Newton–Schulz products (MasterWeightMuon; torch's fp32 Muon does not)."""
+        return getattr(self.parts["muon"], "split_ranks", False)
 
     def accumulate_gradients(self) -> None:
         for part in self.parts.values():
@@ -233,9 +303,12 @@ def make_muon_optimizer(
     momentum: float,
     weight_decay: float,
     compile: bool = False,
+    split_ranks: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> MuonWithAdamW:
     """Muon (lr `muon_lr`) for `matrices`, AdamW (lr `lr`) for the rest of `params`; in the precision of the
-    parameters, as `make_optimizer` chooses (fp32: torch's optimizers; lower: fp32 master weights)."""
+    parameters, as `make_optimizer` chooses (fp32: torch's optimizers; lower: fp32 master weights, with the
+    Newton–Schulz products shared by the ranks of `group` when `split_ranks`: MasterWeightMuon)."""
     if any(isinstance(p, DTensor) for p in params):
         raise ValueError("Muon orthogonalises whole matrices; FSDP shards them (use ddp)")
     chosen = {id(p) for p in matrices}
@@ -257,13 +330,21 @@ def make_muon_optimizer(
         muon = ClippedMuon(matrices, **muon_settings, **_ADDMM)
     else:
         adamw = MasterWeightAdamW(others, lr=lr, weight_decay=weight_decay, compile=compile)
-        muon = MasterWeightMuon(matrices, **muon_settings)
+        muon = MasterWeightMuon(matrices, **muon_settings, split_ranks=split_ranks, group=group)
     return MuonWithAdamW(adamw, muon)
 
 
-def drafter_optimizer(drafter: torch.nn.Module, t: TrainConfig, compile: bool) -> torch.optim.Optimizer:
+def drafter_optimizer(
+    drafter: torch.nn.Module,
+    t: TrainConfig,
+    compile: bool,
+    split_ranks: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> torch.optim.Optimizer:
     """train.optimizer over the drafter's parameters: AdamW, or Muon for its hidden-layer matrices with
-    AdamW for the rest (above). Built after placement: the master weights view the placed weights."""
+    AdamW for the rest (above). Built after placement: the master weights view the placed weights.
+    `split_ranks`: the ranks of `group` hold the same summed gradients at the step (data parallel, not
+    sharded), so Muon's products are shared among them."""
     params = list(drafter.parameters())
     if t.optimizer == "muon":
         return make_muon_optimizer(
@@ -274,5 +355,7 @@ def drafter_optimizer(drafter: torch.nn.Module, t: TrainConfig, compile: bool) -
             momentum=t.muon_momentum,
             weight_decay=t.weight_decay,
             compile=compile,
+            split_ranks=split_ranks,
+            group=group,
         )
     return make_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, compile=compile)

@@ -518,7 +518,20 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
     eval_objective = (
         objective if parallel.sharded else bind_objective(run.drafter, run.target, t, loss, placement)
     )
-    optimizer = drafter_optimizer(run.drafter, t, compile=placement.compiled)
+    # every rank of an unsharded run steps from the same summed gradients: Muon shares its products among them
+    optimizer = drafter_optimizer(
+        run.drafter,
+        t,
+        compile=placement.compiled,
+        split_ranks=topo.distributed and not parallel.sharded,
+        group=topo.group,
+    )
+    if getattr(optimizer, "split_ranks", False):  # Muon with bf16 weights (MasterWeightMuon) on several ranks
+        say_on_main(
+            topo,
+            f"Muon: the Newton–Schulz products shared by {topo.world_size} ranks (each orthogonalises its "
+            "share of the matrices and broadcasts it)",
+        )
     state = TrainState(best_by=t.best_by)
     scheduler = make_scheduler(optimizer, t, run.data.total_steps, state)
     if run.resume_from is not None:

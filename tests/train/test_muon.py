@@ -21,6 +21,7 @@ from flashdraft.train.muon import (
     MuonWithAdamW,
     make_muon_optimizer,
     muon_matrices,
+    newton_schulz_owners,
 )
 from flashdraft.train.optim import ClippedAdamW, MasterWeightAdamW
 from flashdraft.train.resume import check_resume_config
@@ -258,3 +259,16 @@ def test_resuming_with_another_optimizer_is_refused():
     check_resume_config(older, 1, saved, 1, allow_changes=False, source="ckpt")
     with pytest.raises(FlashdraftError, match=r"train.optimizer 'adamw' -> 'muon'"):
         check_resume_config(older, 1, changed, 1, allow_changes=False, source="ckpt")
+
+
+def test_newton_schulz_owners_balance_the_products_over_the_ranks():
+    """Costliest first, each to the least-loaded rank: every rank computes the same split without talking."""
+    shapes = [torch.Size(s) for s in [(4096, 4096)] * 4 + [(12288, 4096)] * 3 + [(4096, 12288)] * 2]
+    owners = newton_schulz_owners(shapes, 4)
+    cost = [s[0] * s[1] * min(s) for s in shapes]
+    load = [sum(c for c, o in zip(cost, owners, strict=True) if o == r) for r in range(4)]
+    assert sorted(set(owners)) == [0, 1, 2, 3]
+    assert max(load) - min(load) <= max(cost)  # greedy's bound: no rank a whole matrix ahead
+    assert owners == newton_schulz_owners(shapes, 4)  # deterministic
+    assert newton_schulz_owners(shapes, 1) == [0] * len(shapes)
+    assert newton_schulz_owners([torch.Size((8, 8))], 3) == [0]  # fewer matrices than ranks
