@@ -24,7 +24,7 @@ for variant in "${@:2}"; do
   name=${variant%%:*}
   mkdir -p "$root/qs-$name"
   cp -al "$root/qs-$first"/{target,shards,eval-shards} "$root/qs-$name/"
-  cp "$root/qs-$first"/{conversations,heldout}.jsonl "$root/qs-$name/"
+  cp "$root/qs-$first"/{conversations,selection,heldout}.jsonl "$root/qs-$name/"
   run "$name" "${variant#*:}" &
   pids="$pids $!"
 done

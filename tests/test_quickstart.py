@@ -51,6 +51,49 @@ def test_real_questions_ask_each_snippet_once_before_any_twice():
     assert len({r["messages"][0]["content"] for r in more}) == len(snippets)  # then repeats begin
 
 
+def test_real_decodes_held_out_prompts_that_did_not_choose_its_checkpoint(tmp_path, monkeypatch):
+    """--real's held-out questions come in two disjoint sets: the selection set is regenerated into
+    data.eval (the curve that picks best/), the decode set is what step 4 decodes; conversion and
+    regeneration are replaced by records of what they were asked to do."""
+    import flashdraft.data.prepare as prepare_module
+    import flashdraft.model.gguf as gguf_module
+
+    monkeypatch.setattr(qs, "_installed", lambda name: True)
+    monkeypatch.setattr(qs.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(gguf_module, "package_gguf", lambda package: tmp_path / "model.gguf")
+    monkeypatch.setattr(gguf_module, "require_gguf_package", lambda: None)
+    monkeypatch.setattr(gguf_module, "is_conversion_of", lambda directory, gguf: True)
+    prepared = {}
+    monkeypatch.setattr(
+        prepare_module,
+        "prepare",
+        lambda inputs, target, out, settings, console: prepared.setdefault(out, inputs),
+    )
+    threads = torch.get_num_threads()
+    try:
+        plan = qs.real_plan(tmp_path / "q", qs.Console(quiet=True), steps=None)
+    finally:
+        torch.set_num_threads(threads)
+    sizes = qs.REAL_SIZES["cpu"]
+    out = tmp_path / "q"
+    assert prepared == {
+        str(out / "shards"): [str(out / "conversations.jsonl")],
+        str(out / "eval-shards"): [str(out / "selection.jsonl")],
+    }
+    assert plan.eval_file == out / "eval-shards" and plan.prompts_file == out / "heldout.jsonl"
+
+    def questions(name):
+        return [json.loads(line)["messages"][0]["content"] for line in (out / name).read_text().splitlines()]
+
+    selection, decoded, trained = (
+        questions("selection.jsonl"),
+        questions("heldout.jsonl"),
+        questions("conversations.jsonl"),
+    )
+    assert (len(selection), len(decoded)) == (sizes.selection_prompts, sizes.decode_prompts)
+    assert not set(selection) & set(decoded) and not (set(selection) | set(decoded)) & set(trained)
+
+
 def test_real_without_its_packages_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "_installed", lambda name: False)
     assert main(["quickstart", "--real", "--out", str(tmp_path / "q")]) == 2
