@@ -269,12 +269,10 @@ case "$part" in
     for i in $(seq 1 ${WAIT_TICKS:-50}); do [ -f /tmp/qs-variants.done ] && break; sleep 10; done
     [ -f /tmp/qs-variants.done ] && echo "all variants done" || echo "still running"
     cat /tmp/qs-variants.log
-    for log in /tmp/qs-*.log; do
-      echo "== $log"; grep -v -i warn "$log" | grep -v "Loading weights" | tail -5; cp "$log" "$out/"
-    done
-    for d in /tmp/qs-*/; do
-      n=$(basename "$d"); cp "$d/eval.json" "$out/eval_$n.json" 2>/dev/null; cp "$d/run/metrics.jsonl" "$out/metrics_$n.jsonl" 2>/dev/null
-    done ;;
+    for log in /tmp/qs-*.log; do echo "== $log"; grep -v -i warn "$log" | grep -v "Loading weights" | tail -5; done
+    # one archive: a file per variant and kind was more files than a call brings back
+    (cd /tmp && tar czf "$out/qs_variants.tgz" qs-*.log $(ls -d qs-*/ | sed 's#/$##' | while read d; do
+      ls $d/eval.json $d/eval-alone.json $d/run/metrics.jsonl 2>/dev/null; done)) ;;
   eval-real)
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -c "
 import json
