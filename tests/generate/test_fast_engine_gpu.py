@@ -12,7 +12,7 @@ import torch
 from flashdraft.generate.fast import FastEngine
 from flashdraft.generate.speculative import generate
 from flashdraft.model.drafter import DFlashDraftModel
-from flashdraft.model.drafter_dir import make_drafter_config
+from flashdraft.model.drafter_dir import make_drafter_config, new_drafter
 from flashdraft.model.target import TargetModel
 from flashdraft.model.tiny import build_model, tiny_config
 
@@ -104,6 +104,33 @@ def test_fast_greedy_on_the_gpu_equals_the_eager_loop_in_fp32(pair):
     fast = FastEngine(target, drafter, NEW, rows=2).generate(prompts)
     for prompt, run in zip(prompts, fast, strict=True):
         assert run.tokens == generate(target, None, prompt, NEW).tokens
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dflash2_cuda_graphs_replay_the_eager_loops_candidate_walk(pair, rows):
+    """A DFlash2 drafter's candidate walk compiled and captured with the step (fast.py::candidate_walk):
+    the same tokens and acceptance lengths as the eager loop's walk."""
+    target, _ = pair
+    config = make_drafter_config(
+        target.config,
+        num_layers=1,
+        block_size=4,
+        mask_token_id=VOCAB - 1,
+        target_layer_ids=[1, 2],
+        arch="dflash2",
+    )
+    config.dflash_config["selector_top_k"] = 8
+    dflash2 = new_drafter(config)
+    dflash2.init_weights(torch.Generator().manual_seed(0))
+    dflash2 = dflash2.to("cuda").eval()
+    prompts = _prompts(4)
+    graphs = FastEngine(target, dflash2, NEW, rows=rows)
+    replayed = graphs.generate(prompts)
+    record = graphs.describe()
+    assert record["cuda_graphs"] and record["compiled"], record
+    for prompt, run in zip(prompts, replayed, strict=True):
+        reference = generate(target, dflash2, prompt, NEW)
+        assert run.tokens == reference.tokens and run.accepted == reference.accepted
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from flashdraft.generate.speculative import generate
 from flashdraft.model import fused_decoder, fused_stack
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
+from tests.infer.dflash2_drafter import dflash2_from
 
 NEW = 40
 
@@ -86,6 +87,23 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
     assert _graphs(fused_decoder.fused_layer_step) == 2  # one query a row: a graph of its own
     assert _graphs(fast_engine.settle) == 2
+
+
+def test_a_dflash2_drafter_compiled_walks_its_candidates_in_one_graph_and_decodes_what_the_eager_loop_does(
+    pair, prompts
+):
+    """DFlash2's candidate walk (CandidateSelector.select at temperature 0) compiled whole with the step's
+    other functions: the same tokens and acceptance lengths as the eager loop, one graph for every step."""
+    target, drafter = pair
+    dflash2 = dflash2_from(drafter, target)
+    eager = [generate(target, dflash2, p, NEW) for p in prompts]
+    assert max(max(run.accepted) for run in eager) >= 3
+    engine = FastEngine(target, dflash2, NEW, compile=True, rows=2, bucket=8)
+    fast = engine.generate(prompts)
+    assert engine.describe()["compiled"] and engine.timing["steps"] > 20
+    assert [run.tokens for run in fast] == [run.tokens for run in eager]
+    assert [run.accepted for run in fast] == [run.accepted for run in eager]
+    assert _graphs(fast_engine.candidate_walk) == 1
 
 
 def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_forward_decodes(
