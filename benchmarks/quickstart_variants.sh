@@ -3,8 +3,9 @@
 # one GPU, for issue 33's quickstart goal. The first variant makes the data (conversion, regenerated answers) in
 # $ROOT/qs-NAME; the others start on a copy of it as soon as its held-out shards exist, so every drafter trains on
 # the same answers. Steps, not minutes, bound each run: sharing the GPU changes their times, not their drafters
-# (the first run's whole-command time and speedup are then not a lone run's). Writes $ROOT/qs-NAME.log for each
-# (then each best drafter decoded alone, below) and $ROOT/qs-variants.done at the end. Usage (after gpu_session.sh real-setup, with /tmp/site on PYTHONPATH):
+# (the first run's whole-command time and speedup are then not a lone run's; each best drafter is decoded again
+# alone at the end, below). Writes $ROOT/qs-NAME.log for each and $ROOT/qs-variants.done at the end. Usage
+# (after gpu_session.sh real-setup, with /tmp/site on PYTHONPATH):
 #   bash benchmarks/quickstart_variants.sh muon:train.optimizer=muon,train.muon_lr=0.006 adamw:
 root=${ROOT:-/tmp}
 rm -f "$root/qs-variants.done"

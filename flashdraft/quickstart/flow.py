@@ -6,8 +6,8 @@
 2. training data the DFlash way: prompts whose responses the target itself generates (greedy), with the
    loss on the response only (docs/dflash.md §3); held-out prompts come from files never trained on;
 3. train a small drafter with the DFlash objective, evaluating simulated acceptance on held-out data;
-4. run real speculative decoding with the best drafter on held-out prompts, timed against plain decoding
-   of the same target (τ, wall-clock speedup, lossless check);
+4. run real speculative decoding with the best drafter on held-out prompts other than those that chose
+   it, timed against plain decoding of the same target (τ, wall-clock speedup, lossless check);
 5. report what happened and where everything was written.
 """
 
