@@ -94,6 +94,14 @@ def test_real_decodes_held_out_prompts_that_did_not_choose_its_checkpoint(tmp_pa
     assert not set(selection) & set(decoded) and not (set(selection) | set(decoded)) & set(trained)
 
 
+def test_steps_help_states_the_step_counts_the_quickstart_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps its help lines
+    real = qs.REAL_STEPS
+    assert f"(default {qs.DEFAULT_STEPS}; --real: {real['cuda']} on a GPU, {real['cpu']} on a CPU)" in text
+
+
 def test_real_without_its_packages_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "_installed", lambda name: False)
     assert main(["quickstart", "--real", "--out", str(tmp_path / "q")]) == 2
