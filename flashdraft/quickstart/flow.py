@@ -298,7 +298,7 @@ def real_plan(out: Path, console: Console, steps: int | None, which: str = "smol
         minutes = (2 + 0.5 * answers + 0.5 * steps + 5) * 2 / max(2, os.cpu_count() or 1)
         guess = f"about {minutes:.0f} minutes on {os.cpu_count()} CPU cores (a GPU takes minutes)"
     else:
-        guess = "about 6 minutes on one H200 (docs/real-target.md)"
+        guess = "3 to 6 minutes on one H100 or H200 (docs/real-target.md)"
     console.print(
         f"[bold]quickstart {flag}[/]: {real.description} from {gguf} on the {device.upper()}: "
         f"{sizes.conversations} regenerated answers, {steps} drafter steps, {sizes.selection_prompts} "
