@@ -1,7 +1,6 @@
 #!/bin/bash
 # `flashdraft quickstart --real` once per variant NAME:ARG,ARG (key=value overrides or flags such as `--steps,2000`;
-# a bare `NAME:` runs the defaults), on
-# one GPU, for issue 33's quickstart goal. The first variant makes the data (conversion, regenerated answers) in
+# a bare `NAME:` runs the defaults), on one GPU, for issue 33's quickstart goal. The first variant makes the data (conversion, regenerated answers) in
 # $ROOT/qs-NAME; the others start on a copy of it as soon as its held-out shards exist, so every drafter trains on
 # the same answers. Steps, not minutes, bound each run: sharing the GPU changes their times, not their drafters
 # (the first run's whole-command time and speedup are then not a lone run's; each best drafter is decoded again
