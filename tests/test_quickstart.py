@@ -102,6 +102,26 @@ def test_steps_help_states_the_step_counts_the_quickstart_takes(capsys):
     assert f"(default {qs.DEFAULT_STEPS}; --real: {real['cuda']} on a GPU, {real['cpu']} on a CPU)" in text
 
 
+def test_summary_reports_the_simulated_tau_of_the_checkpoint_it_decoded():
+    """The decoded drafter is best/, the last evaluation marked best, not the last evaluation."""
+    plan = qs.Plan(
+        target_dir=qs.Path("t"), description="d", train_file=qs.Path("a"), eval_file=qs.Path("b"),
+        prompts_file=qs.Path("c"), mask_token_id=None, drafter_layers=1, block_size=8, max_length=64,
+        batch_size=1, max_new_tokens=8, device="cpu", lr=1e-3,
+    )  # fmt: skip
+    rows = [
+        {"step": 10, "tau": 2.1, "best": True},
+        {"step": 20, "tau": 2.4, "best": True},
+        {"step": 30, "tau": 2.3},
+    ]
+    report = {"tau": 2.2, "speedup": 1.5, "lossless": {"identical": 4, "numerical_ties": [], "diverged": []}}
+    console = qs.Console(width=200, record=True)
+    console.print(qs.summary_table(plan, rows, report))
+    assert "decoded drafter (step 20): held-out τ, simulated │ 2.40" in " ".join(
+        console.export_text().split()
+    )
+
+
 def test_real_without_its_packages_says_what_to_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "_installed", lambda name: False)
     assert main(["quickstart", "--real", "--out", str(tmp_path / "q")]) == 2

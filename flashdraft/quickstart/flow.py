@@ -517,7 +517,9 @@ def summary_table(plan: Plan, eval_rows: list[dict], report: dict) -> Table:
         if key != "sample":
             summary.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
     lossless = report["lossless"]
-    summary.add_row("drafter held-out τ (simulated)", f"{eval_rows[-1]['tau']:.2f}")
+    # the decoded drafter is best/: the last evaluation the trainer marked best (train.best_by), not the last one
+    chosen = next((row for row in reversed(eval_rows) if row.get("best")), eval_rows[-1])
+    summary.add_row(f"decoded drafter (step {chosen['step']}): held-out τ, simulated", f"{chosen['tau']:.2f}")
     summary.add_row("τ in real decoding", f"{report['tau']:.2f}")
     summary.add_row("speedup (wall clock, same target, plain decoding)", f"{report['speedup']:.2f}x")
     summary.add_row(
