@@ -43,7 +43,8 @@
 #   race: after real-setup, issue 33's race, detached (two 5-minute budgets do not fit one call): `bench quality
 #          --against specforge` on the real target, one initial 2-layer block-8 drafter trained by flashdraft and by
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
-#          same shards, both scored by flashdraft's loop and z-lab's; TARGET=gemma3 after gemma-setup
+#          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each);
+#          TARGET=gemma3 after gemma-setup
 #   race-wait: wait (up to 9 min) for the race, then copy its JSON and log tail to $OUT (repeat until complete)
 #   warm: after real-setup, issue 33's warm start, detached: `bench quality --warm-start PRIOR_MINUTES` (default 5)
 #          on the real target: a prior drafter trained on 2,000 other stdlib prompts' answers, then a fresh drafter
@@ -136,7 +137,7 @@ case "$part" in
     case "${TARGET:-smollm2}" in smollm2) tdir=$REAL/smollm2 ;; gemma3) tdir=$REAL/gemma3 ;; *) echo "TARGET?"; exit 1 ;; esac
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
       --target $tdir --work $REAL/race-${TARGET:-smollm2} --device cuda --prompts 2000 --eval-prompts 16 \
-      --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points 4 --max-new-tokens 128 --drafter-layers 2 \
+      --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points ${CURVE_POINTS:-4} --max-new-tokens 128 --drafter-layers 2 \
       --block-size 8 --out $REAL/race-${TARGET:-smollm2}.json > $REAL/race-${TARGET:-smollm2}.log 2>&1 &
     echo $! > $REAL/race-${TARGET:-smollm2}.pid; sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
   race-wait)
