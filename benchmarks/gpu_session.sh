@@ -45,7 +45,8 @@
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
 #          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each);
 #          TARGET=gemma3 after gemma-setup
-#   race-wait: wait (up to 9 min) for the race, then copy its JSON and log tail to $OUT (repeat until complete)
+#   race-wait: wait (up to WAIT_TICKS x 10 s, default 54: 9 min) for the race, then copy its JSON and log tail to $OUT
+#          (repeat until complete)
 #   warm: after real-setup, issue 33's warm start, detached: `bench quality --warm-start PRIOR_MINUTES` (default 5)
 #          on the real target: a prior drafter trained on 2,000 other stdlib prompts' answers, then a fresh drafter
 #          and the prior fine-tuned, side by side, MINUTES (default 2.5) each on the training data; then warm-wait
@@ -102,7 +103,7 @@ finished() { python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[
 # wait (up to 9 min) for a detached run R (R.json, R.pid) to finish, or to be gone without finishing: a crashed
 # run must not hold the machine for the whole wait
 waitfor() {
-  for i in $(seq 1 54); do
+  for i in $(seq 1 ${WAIT_TICKS:-54}); do
     finished $1.json && return 0
     kill -0 "$(cat $1.pid 2>/dev/null)" 2>/dev/null || { echo "the run is gone, unfinished (log below)"; return 1; }
     sleep 10
