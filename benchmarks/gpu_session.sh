@@ -100,8 +100,8 @@ mkdir -p "$out"
 REAL=/tmp/real
 # whether a bench quality result is finished as a whole (its variants say "complete" each, earlier)
 finished() { python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get('complete') else 1)" "$1" 2>/dev/null; }
-# wait (up to 9 min) for a detached run R (R.json, R.pid) to finish, or to be gone without finishing: a crashed
-# run must not hold the machine for the whole wait
+# wait (up to WAIT_TICKS x 10 s, default 9 min) for a detached run R (R.json, R.pid) to finish, or to be gone
+# without finishing: a crashed run must not hold the machine for the whole wait
 waitfor() {
   for i in $(seq 1 ${WAIT_TICKS:-54}); do
     finished $1.json && return 0
