@@ -197,7 +197,8 @@ EVAL_MAX_NEW_TOKENS = 256  # `flashdraft eval` decodes shorter answers than rege
 BEST_BY = ("simulated_tau", "real_tau", "loss")  # train.best_by: eval row keys tau, real_tau, loss
 
 
-OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+OPTIMIZERS = ("adamw", "muon")  # what train.optimizer names once resolved
+OPTIMIZER_CHOICES = ("auto", *OPTIMIZERS)  # train.optimizer
 LR_SCHEDULES = ("cosine", "wsd")  # train.lr_schedule
 
 
@@ -219,19 +220,23 @@ class TrainConfig:
     lr: float = doc(6e-4, "Peak learning rate of AdamW (paper: 6e-4).")
     weight_decay: float = doc(0.0, "AdamW weight decay (with train.optimizer=muon, Muon's too).")
     optimizer: str = doc(
-        "adamw",
-        "'adamw' (the paper's), or 'muon': Muon (momentum orthogonalised by Newton-Schulz) for the 2-D weight "
-        "matrices of the drafter's own layers and its feature fusion fc, the matrices of hidden layers that "
-        "Muon is made for, and AdamW for the rest (norms, DFlash2's selector and base kernels: 1-D, "
-        "embedding-like or head-like). On SmolLM2, Muon at muon_lr 2.4e-3 beat AdamW by 30% real τ in 5 minutes; "
-        "on an 8B-wide drafter its update costs 193 ms a step (docs/training-loop.md). Not with "
-        "distributed.data_parallel=fsdp (Muon needs whole matrices).",
-        choices=OPTIMIZERS,
+        "auto",
+        "'auto' (default): Muon for a drafter at most 1,024 wide (targets up to ~0.6B), AdamW for a wider "
+        "one, and on a resume the optimizer the run started with (train/muon.py's resolve_optimizer; "
+        "config.yaml records the choice). 'adamw' (the paper's), or 'muon': Muon (momentum orthogonalised "
+        "by Newton-Schulz) for the 2-D weight matrices of the drafter's own layers and its feature fusion fc, "
+        "the matrices of hidden layers that Muon is made for, and AdamW for the rest (norms, DFlash2's "
+        "selector and base kernels: 1-D, embedding-like or head-like). On SmolLM2 (576 wide) Muon at four "
+        "times the AdamW lr beat AdamW by 30% real τ in 5 minutes; on an 8B-wide drafter its update costs "
+        "193 ms a step, half the step (docs/training-loop.md). Not with distributed.data_parallel=fsdp "
+        "(Muon needs whole matrices; auto picks AdamW there).",
+        choices=OPTIMIZER_CHOICES,
     )
     muon_lr: float | None = doc(
         None,
-        "Peak learning rate of the Muon part (None: train.lr). Each matrix's step is scaled to AdamW's RMS "
-        "(torch's adjust_lr_fn='match_rms_adamw'), so the AdamW lr carries over; it follows the same schedule.",
+        "Peak learning rate of the Muon part (None: 4 x train.lr, the best of 1x, 2x and 4x measured on "
+        "SmolLM2, docs/training-loop.md). Each matrix's step is scaled to AdamW's RMS (torch's "
+        "adjust_lr_fn='match_rms_adamw'), so AdamW's rates carry over; it follows the same schedule.",
     )
     muon_momentum: float = doc(0.95, "Muon's momentum (Nesterov; torch's default 0.95).")
     lr_schedule: str = doc(
@@ -958,17 +963,26 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     ]
 
 
+# train.muon_lr's default, times train.lr: Muon at 4x beat 2x and 1x on SmolLM2 (docs/training-loop.md)
+MUON_LR_SCALE = 4
+
+
+def muon_peak_lr(t: TrainConfig) -> float:
+    """The peak learning rate of Muon's part: train.muon_lr, or MUON_LR_SCALE x train.lr."""
+    return t.muon_lr if t.muon_lr is not None else MUON_LR_SCALE * t.lr
+
+
 def _muon_checks(t: TrainConfig) -> list[tuple[bool, str]]:
     """(holds, message if not) of the optimizer choice and Muon's settings."""
     return [
         (
-            t.optimizer in OPTIMIZERS,
-            f"train.optimizer must be {' or '.join(OPTIMIZERS)}, got {t.optimizer!r}",
+            t.optimizer in OPTIMIZER_CHOICES,
+            f"train.optimizer must be {', '.join(OPTIMIZER_CHOICES)}, got {t.optimizer!r}",
         ),
         (t.muon_lr is None or t.muon_lr > 0, f"train.muon_lr must be positive, got {t.muon_lr}"),
         (
-            (t.muon_lr or t.lr) * t.weight_decay < 1,  # Muon decays as AdamW does: by 1 - lr * weight_decay
-            f"train.muon_lr * train.weight_decay must be below 1, got {t.muon_lr or t.lr} * {t.weight_decay}",
+            muon_peak_lr(t) * t.weight_decay < 1,  # Muon decays as AdamW does: by 1 - lr * weight_decay
+            f"train.muon_lr * train.weight_decay must be below 1, got {muon_peak_lr(t)} * {t.weight_decay}",
         ),
         (0 <= t.muon_momentum < 1, f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}"),
     ]

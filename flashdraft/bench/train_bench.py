@@ -485,7 +485,8 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer",
         choices=OPTIMIZERS,
         action="append",
-        help="train.optimizer of the step, built as the trainer builds it (repeat to compare; default adamw): "
+        help="train.optimizer of the step, built as the trainer builds it (repeat to compare; default adamw, what "
+        "train.optimizer=auto picks at these widths): "
         "Muon's Newton-Schulz products at this shape's widths (docs/training-loop.md)",
     )
     parser.add_argument(

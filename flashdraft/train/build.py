@@ -118,7 +118,9 @@ def start_run(config: Config, heartbeat: Heartbeat) -> RunStart:
 
     target_config = load_target_config(config.model.target)
     drafter = build_drafter(config, target_config)
-    config = resolved_config(config, drafter)
+    config = resolved_config(
+        config, drafter, resume_from.state["config"] if resume_from is not None else None
+    )
     train_ranks = len(roles.drafter_ranks) if roles else topo.world_size
     if resume_from is not None:
         check_resume_config(

@@ -24,6 +24,7 @@ from flashdraft.model.drafter_dir import (
     resolve_mask_token_id,
 )
 from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
+from flashdraft.train.muon import resolve_optimizer
 
 WARM_START_NAME = "warm_start.json"  # in train.out_dir: what a warm-started run started from
 
@@ -66,9 +67,12 @@ def build_drafter(config: Config, target_config) -> DFlashDraftModel:
     return drafter
 
 
-def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
-    """The config as actually trained: the drafter's shape fields and the γ in use (what config.yaml
-    records and a resume compares); model.* values that disagree with model.drafter are an error."""
+def resolved_config(
+    config: Config, drafter: DFlashDraftModel, resumed: dict[str, Any] | None = None
+) -> Config:
+    """The config as actually trained: the drafter's shape fields, the γ and the optimizer in use (what
+    config.yaml records and a resume compares; `resumed`: the resumed checkpoint's recorded config);
+    model.* values that disagree with model.drafter are an error."""
     spec = drafter.spec
     actual = {
         "num_layers": int(drafter.config.num_hidden_layers),
@@ -79,7 +83,13 @@ def resolved_config(config: Config, drafter: DFlashDraftModel) -> Config:
     source = f"{config.model.drafter}/config.json" if config.model.drafter else "new drafter"
     resolved = resolve_drafter_fields(config, actual, source)
     gamma = config.train.gamma or default_gamma(spec.block_size)
-    return dataclasses.replace(resolved, train=dataclasses.replace(resolved.train, gamma=float(gamma)))
+    train = resolve_optimizer(
+        dataclasses.replace(resolved.train, gamma=float(gamma)),
+        width=int(drafter.config.hidden_size),
+        data_parallel=config.distributed.data_parallel,
+        resumed=resumed["train"] if resumed is not None else None,
+    )
+    return dataclasses.replace(resolved, train=train)
 
 
 def warm_start_record(config: Config, drafter: DFlashDraftModel) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from flashdraft.distributed.parallelize import load_sharded_optimizer
 from flashdraft.errors import FlashdraftError
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.train.checkpoint import ResumePoint, set_rng_state
+from flashdraft.train.muon import recorded_muon_lr
 from flashdraft.train.optim import named_optimizer_state, positional_optimizer_state
 from flashdraft.train.state import TrainState
 
@@ -81,7 +82,8 @@ def _grows(key: str, old: Any, new: Any) -> bool:
 
 # What a checkpoint written before a key existed ran with, where the key's default has changed since it was
 # added: train.position_weight was added with 'decay' and became 'dpace' (docs/drafters.md §4).
-ABSENT_KEY_MEANT: dict[str, Any] = {"train.position_weight": "decay"}
+# train.optimizer was added with 'adamw' and became 'auto' (which config.yaml records resolved).
+ABSENT_KEY_MEANT: dict[str, Any] = {"train.position_weight": "decay", "train.optimizer": "adamw"}
 
 
 def check_resume_config(
@@ -102,6 +104,10 @@ def check_resume_config(
     for key in set(new) - set(old):
         if key in meant:
             old[key] = meant[key]
+    if old.get("train.optimizer") == "muon":  # the Muon lr it trained at, recorded before or after 4 x lr
+        old["train.muon_lr"] = recorded_muon_lr(
+            {"muon_lr": old.get("train.muon_lr"), "lr": old.get("train.lr")}
+        )
     changes, longer = [], []
     for key in sorted(set(old) | set(new)):
         if key in EXEMPT or key == "train.batch_size" or old.get(key) == new.get(key):

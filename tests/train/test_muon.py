@@ -22,6 +22,7 @@ from flashdraft.train.muon import (
     make_muon_optimizer,
     muon_matrices,
     newton_schulz_owners,
+    resolve_optimizer,
 )
 from flashdraft.train.optim import ClippedAdamW, MasterWeightAdamW
 from flashdraft.train.resume import check_resume_config
@@ -234,7 +235,7 @@ def test_muon_takes_the_linear_weights_of_the_layers_and_fc(model_class):
 
 
 def test_config_refuses_an_unknown_optimizer_naming_the_choices():
-    with pytest.raises(FlashdraftError, match=r"train.optimizer must be adamw or muon, got 'sgd'"):
+    with pytest.raises(FlashdraftError, match=r"train.optimizer must be auto, adamw, muon, got 'sgd'"):
         validate(Config(train=TrainConfig(optimizer="sgd")))
     with pytest.raises(FlashdraftError, match=r"train.muon_momentum must be in \[0, 1\)"):
         validate(Config(train=TrainConfig(optimizer="muon", muon_momentum=1.0)))
@@ -250,8 +251,8 @@ def test_muon_with_fsdp_is_refused_and_with_ddp_allowed():
 
 
 def test_resuming_with_another_optimizer_is_refused():
-    saved = to_dict(Config())
-    changed = to_dict(Config(train=TrainConfig(optimizer="muon")))
+    saved = to_dict(Config(train=TrainConfig(optimizer="adamw")))  # config.yaml records the resolved choice
+    changed = to_dict(Config(train=TrainConfig(optimizer="muon", muon_lr=2.4e-3)))
     with pytest.raises(FlashdraftError, match=r"train.optimizer 'adamw' -> 'muon'"):
         check_resume_config(saved, 1, changed, 1, allow_changes=False, source="ckpt")
     older = to_dict(Config())
@@ -259,6 +260,54 @@ def test_resuming_with_another_optimizer_is_refused():
     check_resume_config(older, 1, saved, 1, allow_changes=False, source="ckpt")
     with pytest.raises(FlashdraftError, match=r"train.optimizer 'adamw' -> 'muon'"):
         check_resume_config(older, 1, changed, 1, allow_changes=False, source="ckpt")
+    # a Muon run recorded when train.muon_lr None meant train.lr trained at train.lr
+    old_muon = to_dict(Config(train=TrainConfig(optimizer="muon", lr=6e-4)))
+    same = to_dict(Config(train=TrainConfig(optimizer="muon", lr=6e-4, muon_lr=6e-4)))
+    check_resume_config(old_muon, 1, same, 1, allow_changes=False, source="ckpt")
+    with pytest.raises(FlashdraftError, match=r"train.muon_lr 0.0006 -> 0.0024"):
+        check_resume_config(old_muon, 1, changed, 1, allow_changes=False, source="ckpt")
+
+
+def test_auto_picks_muon_for_a_narrow_drafter_and_adamw_for_a_wide_one_or_fsdp():
+    auto = TrainConfig(lr=6e-4)
+    assert auto.optimizer == "auto"
+    narrow = resolve_optimizer(auto, width=576, data_parallel="auto")
+    assert (narrow.optimizer, narrow.muon_lr) == ("muon", pytest.approx(2.4e-3))  # 4 x lr
+    assert resolve_optimizer(auto, width=1024, data_parallel="ddp").optimizer == "muon"
+    wide = resolve_optimizer(auto, width=4096, data_parallel="auto")
+    assert (wide.optimizer, wide.muon_lr) == ("adamw", None)
+    assert resolve_optimizer(auto, width=576, data_parallel="fsdp").optimizer == "adamw"
+    # a choice made is kept, and an explicit Muon lr too
+    assert (
+        resolve_optimizer(TrainConfig(optimizer="adamw"), width=576, data_parallel="auto").optimizer
+        == "adamw"
+    )
+    explicit = resolve_optimizer(
+        TrainConfig(optimizer="muon", muon_lr=6e-3), width=4096, data_parallel="auto"
+    )
+    assert (explicit.optimizer, explicit.muon_lr) == ("muon", 6e-3)
+
+
+def test_auto_on_a_resume_continues_the_runs_optimizer_and_its_muon_lr():
+    auto = TrainConfig(lr=6e-4)
+    recorded_adamw = to_dict(TrainConfig(optimizer="adamw", lr=6e-4))
+    assert (
+        resolve_optimizer(auto, width=576, data_parallel="auto", resumed=recorded_adamw).optimizer == "adamw"
+    )
+    before_the_key = {k: v for k, v in recorded_adamw.items() if k != "optimizer"}
+    assert (
+        resolve_optimizer(auto, width=576, data_parallel="auto", resumed=before_the_key).optimizer == "adamw"
+    )
+    recorded_muon = to_dict(TrainConfig(optimizer="muon", lr=6e-4, muon_lr=1.2e-3))
+    resumed = resolve_optimizer(auto, width=4096, data_parallel="auto", resumed=recorded_muon)
+    assert (resumed.optimizer, resumed.muon_lr) == ("muon", 1.2e-3)
+    old_muon = to_dict(TrainConfig(optimizer="muon", lr=6e-4))  # muon_lr None then meant train.lr
+    assert resolve_optimizer(auto, width=576, data_parallel="auto", resumed=old_muon).muon_lr == 6e-4
+    # an explicit setting still wins over the record (and the resume check then names the change)
+    assert (
+        resolve_optimizer(TrainConfig(optimizer="adamw"), 576, "auto", resumed=recorded_muon).optimizer
+        == "adamw"
+    )
 
 
 def test_newton_schulz_owners_balance_the_products_over_the_ranks():
