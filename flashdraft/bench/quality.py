@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -119,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="token id of masked block positions (default: the tokenizer's mask or first free row)",
     )
     p.add_argument("--block-size", type=block_size_value, default=16, help="block size B of the drafter")
-    p.add_argument("--lr", type=positive_float, default=6e-4, help="peak AdamW learning rate")
+    p.add_argument(
+        "--lr",
+        type=positive_float,
+        default=6e-4,
+        help="peak AdamW learning rate (Muon's part, where train.optimizer=auto picks it: 4x)",
+    )
     p.add_argument("--num-anchors", type=positive_int, default=256, help="blocks trained per sequence")
     p.add_argument("--max-length", type=positive_int, default=2048, help="tokens per training sequence")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per optimizer step")
@@ -425,7 +431,7 @@ def train_and_evaluate(
     )
     record: dict[str, Any] = {
         "overrides": overrides,
-        "training": trained,
+        "training": {**trained, "settings": recipe_settings(run)},
         "curve": [],
         "final": None,
         "timings": {"train_s": train_s},
@@ -434,6 +440,26 @@ def train_and_evaluate(
     on_progress(record)
     checkpoints = [(int(c.name.removeprefix("step-")), None, c / DRAFTER_DIR) for c in list_checkpoints(run)]
     return evaluate_curve(args, work, name, checkpoints, record, console, zlab, on_progress)
+
+
+# What a variant's result records of the recipe it trained with, as config.yaml resolved it (train.optimizer
+# auto -> the optimizer picked), beside the race's SpecForge settings
+RECIPE_KEYS = (
+    "optimizer",
+    "lr",
+    "muon_lr",
+    "lr_schedule",
+    "warmup_ratio",
+    "loss",
+    "position_weight",
+    "gamma",
+)
+
+
+def recipe_settings(run: Path) -> dict[str, Any]:
+    """The recipe a run trained with: RECIPE_KEYS of its config.yaml's train section."""
+    train_section = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    return {key: train_section.get(key) for key in RECIPE_KEYS}
 
 
 def evaluate_curve(
