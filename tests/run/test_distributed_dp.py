@@ -18,7 +18,15 @@ from tests.processes import run_or_dump
 
 pytestmark = pytest.mark.slow
 
-COMMON = {"train.log_every": 1, "train.device": "cpu", "distributed.timeout_minutes": 1}
+# AdamW on every side: fsdp cannot run Muon (train.optimizer=auto picks AdamW there, Muon for one process of
+# this narrow drafter), and Muon's Newton-Schulz magnifies the ranks' summation order past these tolerances
+# (its own test below compares it at its own)
+COMMON = {
+    "train.log_every": 1,
+    "train.device": "cpu",
+    "distributed.timeout_minutes": 1,
+    "train.optimizer": "adamw",
+}
 
 
 def _args(**settings) -> list[str]:
