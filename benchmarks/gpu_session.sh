@@ -45,6 +45,10 @@
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
 #          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each);
 #          TARGET=gemma3 after gemma-setup
+#          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
+#          also returns race-TARGET-data.tar (the shards and prompts); the next session carries it and the
+#          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
+#          trains on those shards and merges the halves (--reuse-data --race-with)
 #   race-wait: wait (up to WAIT_TICKS x 10 s, default 54: 9 min) for the race, then copy its JSON and log tail to $OUT
 #          (repeat until complete)
 #   warm: after real-setup, issue 33's warm start, detached: `bench quality --warm-start PRIOR_MINUTES` (default 5)
@@ -136,15 +140,25 @@ case "$part" in
   race)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/specforge-*.whl || exit 1
     case "${TARGET:-smollm2}" in smollm2) tdir=$REAL/smollm2 ;; gemma3) tdir=$REAL/gemma3 ;; *) echo "TARGET?"; exit 1 ;; esac
+    # SIDE=flashdraft|specforge: one side (race-wait then brings back its data and result for the other
+    # side's call in a later session); with .real/race-TARGET-data.tar and .real/race-TARGET-half.json carried,
+    # the other side trains on those shards and the halves merge into one race (--race-with)
+    w=$REAL/race-${TARGET:-smollm2} half=""
+    if [ -f .real/race-${TARGET:-smollm2}-data.tar ]; then
+      mkdir -p $w && tar -xf .real/race-${TARGET:-smollm2}-data.tar -C $w || exit 1
+      half="--reuse-data --race-with $PWD/.real/race-${TARGET:-smollm2}-half.json"
+    fi
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
-      --target $tdir --work $REAL/race-${TARGET:-smollm2} --device cuda --prompts 2000 --eval-prompts 16 \
+      --target $tdir --work $w --device cuda --prompts 2000 --eval-prompts 16 \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points ${CURVE_POINTS:-4} --max-new-tokens 128 --drafter-layers 2 \
-      --block-size 8 --out $REAL/race-${TARGET:-smollm2}.json > $REAL/race-${TARGET:-smollm2}.log 2>&1 &
+      --block-size 8 --race-side ${SIDE:-both} $half --out $w.json > $w.log 2>&1 &
     echo $! > $REAL/race-${TARGET:-smollm2}.pid; sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
   race-wait)
     r=$REAL/race-${TARGET:-smollm2}
     waitfor $r
-    cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40 ;;
+    cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40
+    # a one-sided race's shards and prompts, for the other side's call (carried back as .real/race-TARGET-data.tar)
+    [ "${SIDE:-both}" != both ] && tar -cf "$out/race-${TARGET:-smollm2}-data.tar" -C $r data prompts && ls -la "$out" ;;
   warm)
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality \
       --warm-start ${PRIOR_MINUTES:-5} --target $REAL/smollm2 --work $REAL/warm --device cuda --prompts 2000 \

@@ -49,6 +49,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashdraft.bench.provenance import provenance
+from flashdraft.bench.race_sides import (
+    RACE_SIDES,
+    check_initial_drafter,
+    earlier_side,
+    other_side,
+    race_inputs,
+    sides_to_run,
+)
 from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.prepare import PrepareSettings, prepare
 from flashdraft.data.stdlib_prompts import write_prompt_files
@@ -58,7 +66,7 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.generate.engines import ENGINES
 from flashdraft.infer.evaluate import EvalSettings, run_eval
 from flashdraft.infer.report import png_written_by
-from flashdraft.model.drafter_dir import resolve_mask_token_id
+from flashdraft.model.drafter_dir import resolve_mask_token_id, weights_sha256
 from flashdraft.model.target import load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
 from flashdraft.train.checkpoint import DRAFTER_DIR, list_checkpoints
@@ -166,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         "with the same evaluators",
     )
     p.add_argument(
+        "--race-side",
+        choices=("both", *RACE_SIDES),
+        default="both",
+        help="with --against: train and decode this side only (a race whose two budgets outlast one "
+        "device session; the other side in a later call with --race-with)",
+    )
+    p.add_argument(
+        "--race-with",
+        default=None,
+        metavar="RESULT",
+        help="with --against and --race-side: the other side's result from an earlier --race-side call on "
+        "the same shards (--reuse-data), checked to be the same race and merged into this one",
+    )
+    p.add_argument(
         "--warm-start",
         type=positive_float,
         default=None,
@@ -225,6 +247,17 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
             raise FlashdraftError("--against and --variant: the race trains flashdraft's defaults; give one")
         if why := specforge_missing():
             raise FlashdraftError(f"--against specforge: {why}")
+    if not getattr(args, "against", None) and (args.race_side != "both" or args.race_with):
+        raise FlashdraftError("--race-side and --race-with split a race: they need --against")
+    if args.race_with and args.race_side == "both":
+        raise FlashdraftError(
+            "--race-with: give --race-side, the side this call trains (the file holds the other)"
+        )
+    if args.race_with and not args.reuse_data:
+        raise FlashdraftError(
+            "--race-with: both sides must train on the same shards; carry WORK/data (and WORK/prompts) of "
+            "the earlier side and give --reuse-data"
+        )
     if args.warm_start is not None and (args.variant or getattr(args, "against", None)):
         raise FlashdraftError(
             "--warm-start compares its own variants (a fresh and a warm-started drafter): without --variant "
@@ -244,6 +277,8 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
                 raise FlashdraftError(
                     f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
                 )
+    if args.race_with:  # the earlier side's record, before any work (its initial drafter: once written)
+        earlier_side(Path(args.race_with), other_side(args.race_side), race_inputs(args, Path(args.work)))
     target_config = load_target_config(args.target)
     resolve_mask_token_id(args.target, target_config, args.mask_token_id, "--mask-token-id")
     tokenizer = load_target_tokenizer(args.target, required=True)
@@ -511,17 +546,9 @@ def evaluate_curve(
     return record
 
 
-def run_race(
-    args: argparse.Namespace,
-    work: Path,
-    console: Console,
-    zlab: bool,
-    publish: Callable[[str, dict[str, Any]], None],
-) -> dict[str, dict[str, Any]]:
-    """`--against specforge`: one initial drafter (`init_drafter`, --seed), trained by flashdraft's trainer
-    (`model.drafter` = it) and by SpecForge's training code (flashdraft/bench/race.py) for the same budget
-    on the same shards; both curves decoded by the same evaluators."""
-    from flashdraft.bench.race import train_specforge
+def initial_race_drafter(args: argparse.Namespace, work: Path) -> Path:
+    """The race's one initial drafter (`init_drafter` of --drafter-layers, --block-size, --seed): both
+    trainers start from exactly these weights."""
     from flashdraft.model.drafter_dir import init_drafter
 
     init = work / "race" / "initial-drafter"
@@ -534,12 +561,39 @@ def run_race(
         seed=args.seed,
         force=True,
     )
-    console.print(f"[bold]race.[/] both trainers start from {init}")
-    plain_runs: dict = {}
-    ours = train_and_evaluate(
-        args, work, "flashdraft", [f"model.drafter={init}"], console, zlab,
-        on_progress=lambda r: publish("flashdraft", r),
-    )  # fmt: skip
+    return init
+
+
+def run_race(
+    args: argparse.Namespace,
+    work: Path,
+    init: Path,
+    console: Console,
+    zlab: bool,
+    publish: Callable[[str, dict[str, Any]], None],
+    earlier: dict[str, Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """`--against specforge`: the initial drafter `init`, trained by flashdraft's trainer (`model.drafter` =
+    it) and by SpecForge's training code (flashdraft/bench/race.py) for the same budget on the same shards;
+    both curves decoded by the same evaluators. `--race-side` trains one of them; `earlier` is the other's
+    record from an earlier call (`--race-with`, flashdraft/bench/race_sides.py), taken as measured."""
+    from flashdraft.bench.race import train_specforge
+
+    sides = sides_to_run(args.race_side)
+    console.print(f"[bold]race.[/] {' and '.join(sides)} start from {init}")
+    variants: dict[str, dict[str, Any]] = {}
+    if earlier is not None:
+        other = other_side(args.race_side)
+        variants[other] = {**earlier["record"], "measured_in": earlier["from"]}
+        publish(other, variants[other])
+        console.print(f"[bold]race.[/] the {other} side as measured by {earlier['from']['path']}")
+    if "flashdraft" in sides:
+        variants["flashdraft"] = train_and_evaluate(
+            args, work, "flashdraft", [f"model.drafter={init}"], console, zlab,
+            on_progress=lambda r: publish("flashdraft", r),
+        )  # fmt: skip
+    if "specforge" not in sides:
+        return variants
     home = variant_dir(work, "specforge")
     shutil.rmtree(home / "run", ignore_errors=True)
     started = time.perf_counter()
@@ -569,9 +623,10 @@ def run_race(
     publish("specforge", record)
     evaluate_curve(
         args, work, "specforge", theirs["checkpoints"], record, console, zlab,
-        on_progress=lambda r: publish("specforge", r), plain_runs=plain_runs,
+        on_progress=lambda r: publish("specforge", r), plain_runs={},
     )  # fmt: skip
-    return {"flashdraft": ours, "specforge": record}
+    variants["specforge"] = record
+    return variants
 
 
 def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str, Any] | None:
@@ -816,19 +871,27 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     names = [name for name, _ in asked]
     progress: dict[str, dict[str, Any]] = {}
 
+    inputs, earlier, init = None, None, None
+    if args.against:  # what makes two calls' sides one race (flashdraft/bench/race_sides.py)
+        init = initial_race_drafter(args, work)
+        inputs = {**race_inputs(args, work), "initial_drafter_sha256": weights_sha256(init)}
+        if args.race_with:
+            earlier = earlier_side(Path(args.race_with), other_side(args.race_side), inputs)
+            check_initial_drafter(earlier, inputs["initial_drafter_sha256"], Path(args.race_with))
+
     def publish(name: str, record: dict[str, Any]) -> None:
         progress[name] = record
-        write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False))
+        write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False, race=inputs))
 
-    write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False))
+    write_result(out, assemble(args, argv, prepared, progress, names, zlab, complete=False, race=inputs))
     devices = variant_devices(args.device, args.variants_per_gpu)
     if args.against:
-        variants = run_race(args, work, console, zlab, publish)
+        variants = run_race(args, work, init, console, zlab, publish, earlier)
     elif args.warm_start is not None:
         variants = run_warm_start(args, work, devices, console, zlab, publish)
     else:
         variants = run_variants(args, work, asked, devices, console, zlab, publish)
-    result = assemble(args, argv, prepared, variants, names, zlab, complete=True)
+    result = assemble(args, argv, prepared, variants, names, zlab, complete=True, race=inputs)
     for name, variant in variants.items():
         console.print(
             curve_table(f"flashdraft bench quality: {name}, {args.gpu_minutes} GPU minutes", variant["curve"])
@@ -876,8 +939,10 @@ def assemble(
     names: list[str],
     zlab: bool,
     complete: bool,
+    race: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The result JSON: provenance, data, and every variant measured so far, in the order asked for."""
+    """The result JSON: provenance, data, and every variant measured so far, in the order asked for;
+    `race`: what the race's sides share (race_sides.race_inputs)."""
     variants = {name: variants[name] for name in names if name in variants}
     first = next(iter(variants.values()), None) or {}
     return {
@@ -896,6 +961,7 @@ def assemble(
         "race": race_summary(variants, Path(args.work) / "race" / "initial-drafter")
         if args.against
         else None,
+        "race_inputs": race,
         "warm_start": warm_start_summary(variants, args.warm_start) if args.warm_start is not None else None,
         "zlab_available": zlab,
         "timings": {"data_s": prepared["data_s"], **first.get("timings", {})},

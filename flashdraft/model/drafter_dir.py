@@ -7,12 +7,13 @@ inconsistent is an error naming the field or tensor, never silently random weigh
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -34,6 +35,21 @@ from flashdraft.outputs import check_output_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+
+
+def weights_sha256(directory: str | Path) -> str:
+    """The sha256 of a drafter directory's weights, which exact weights a run started from: over each
+    tensor's name, dtype, shape and bytes in name order, not over the file, whose header safetensors writes
+    in an order that changes from process to process."""
+    digest = hashlib.sha256()
+    with safe_open(Path(directory) / WEIGHTS_NAME, "pt") as weights:
+        for name in sorted(weights.keys()):
+            tensor = weights.get_tensor(name).contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}\n".encode())
+            digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 # Rope types a Qwen3-style drafter can carry over from its target; others (e.g. multimodal mrope) fall
 # back to plain RoPE with the target's theta, which is what released Qwen3.5/3.6 drafters use (docs/dflash.md §2).
 _PORTABLE_ROPE_TYPES = {"default", "linear", "dynamic", "yarn", "longrope", "llama3"}

@@ -4,7 +4,6 @@ model.* settings; and the config as actually trained (what config.yaml records a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,13 @@ from flashdraft.errors import FlashdraftError
 from flashdraft.model.dflash2 import graft_dflash2
 from flashdraft.model.drafter import DFlashDraftModel
 from flashdraft.model.drafter_dir import (
-    WEIGHTS_NAME,
     check_against_target,
     load_drafter,
     make_drafter_config,
     new_drafter,
     read_config,
     resolve_mask_token_id,
+    weights_sha256,
 )
 from flashdraft.model.spec import DFlashSpec, default_gamma, parse_layer_types
 from flashdraft.train.muon import resolve_optimizer
@@ -100,14 +99,10 @@ def warm_start_record(config: Config, drafter: DFlashDraftModel) -> dict[str, An
     if not m.drafter:
         return None
     source = Path(m.drafter)
-    digest = hashlib.sha256()
-    with (source / WEIGHTS_NAME).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
     source_arch = DFlashSpec.from_config(read_config(source)).arch
     return {
         "drafter": str(source.resolve()),
-        "weights_sha256": digest.hexdigest(),
+        "weights_sha256": weights_sha256(source),
         "source_arch": source_arch,
         "arch": drafter.spec.arch,
         "grafted": source_arch != drafter.spec.arch,

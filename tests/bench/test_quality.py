@@ -639,10 +639,9 @@ def test_warm_start_fine_tunes_the_prior_beside_a_fresh_drafter_on_the_same_new_
 ):
     """`--warm-start` (issue 33 item 3): a prior drafter trained on other prompts, then 'warm' (from its
     last checkpoint) and 'fresh' trained for the same budget on the training data, both scored alike."""
-    import hashlib
-
     from flashdraft.bench import quality
     from flashdraft.cli import main
+    from flashdraft.model.drafter_dir import weights_sha256
     from flashdraft.train.checkpoint import load_trainer_state
 
     work, out = tmp_path / "work", tmp_path / "warm.json"
@@ -671,9 +670,9 @@ def test_warm_start_fine_tunes_the_prior_beside_a_fresh_drafter_on_the_same_new_
     # the prior trained on its own shards; warm started from its last checkpoint, fresh from nothing
     prior_run = work / "variants" / "prior" / "run"
     assert trained_on(prior_run) == [str(work / "data" / "prior")]
-    last = quality.list_checkpoints(prior_run)[-1] / "drafter" / "model.safetensors"
+    last = quality.list_checkpoints(prior_run)[-1] / "drafter"
     warm = json.loads((work / "variants" / "warm" / "run" / "warm_start.json").read_text())
-    assert warm["weights_sha256"] == hashlib.sha256(last.read_bytes()).hexdigest()
+    assert warm["weights_sha256"] == weights_sha256(last)
     assert not (work / "variants" / "fresh" / "run" / "warm_start.json").exists()
     for name in ("fresh", "warm"):
         variant = result["variants"][name]
@@ -699,9 +698,9 @@ def test_warm_start_fine_tunes_the_prior_beside_a_fresh_drafter_on_the_same_new_
     again = quality.run_quality(args, [])
     assert again["warm_start"] is not None and list(again["variants"]) == ["prior", "fresh", "warm"]
     assert "--warm-start" not in (work / "variants" / "warm" / "log.txt").read_text()
-    last = quality.list_checkpoints(prior_run)[-1] / "drafter" / "model.safetensors"
+    last = quality.list_checkpoints(prior_run)[-1] / "drafter"
     warm = json.loads((work / "variants" / "warm" / "run" / "warm_start.json").read_text())
-    assert warm["weights_sha256"] == hashlib.sha256(last.read_bytes()).hexdigest()
+    assert warm["weights_sha256"] == weights_sha256(last)
     assert [p.stat().st_mtime_ns for p in journal] == stamp
     with pytest.raises(FlashdraftError, match="--warm-start compares its own variants"):
         quality.run_quality(

@@ -5,7 +5,6 @@ JSON with both curves, τ and acceptance by position (docs/quality-benchmark.md,
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -17,10 +16,6 @@ from tests.bench.test_quality import save_chain_target, tiny_quality_argv
 needs_specforge = pytest.mark.skipif(
     specforge_missing() is not None, reason=specforge_missing() or SPECFORGE_INSTALL
 )
-
-
-def _sha256(path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.mark.slow
@@ -39,7 +34,7 @@ def test_the_race_on_a_gpu(tmp_path):
 
 def _race_on_a_tiny_target(tmp_path: Path, device: str) -> None:
     from flashdraft.cli import main
-    from flashdraft.model.drafter_dir import load_drafter
+    from flashdraft.model.drafter_dir import load_drafter, weights_sha256
 
     target = save_chain_target(tmp_path / "target")
     work, out = tmp_path / "work", tmp_path / "race.json"
@@ -50,7 +45,7 @@ def _race_on_a_tiny_target(tmp_path: Path, device: str) -> None:
     assert list(result["variants"]) == ["flashdraft", "specforge"]
     init = work / "race" / "initial-drafter"
     warm = json.loads((work / "variants" / "flashdraft" / "run" / "warm_start.json").read_text())
-    assert warm["weights_sha256"] == _sha256(init / "model.safetensors")  # flashdraft started from it
+    assert warm["weights_sha256"] == weights_sha256(init)  # flashdraft started from it
     theirs = result["variants"]["specforge"]
     assert theirs["training"]["trainer"] == "specforge" and theirs["training"]["steps"] >= 2
     assert theirs["training"]["train_minutes"] >= 0.03 and theirs["training"]["budget_spent"]
@@ -77,7 +72,7 @@ def _race_on_a_tiny_target(tmp_path: Path, device: str) -> None:
         assert race["zlab_tau_ratio"] == pytest.approx(a["zlab_tau"] / b["zlab_tau"])
     # SpecForge's side moved away from the start: its last checkpoint is not the initial weights
     last = Path(theirs["curve"][-1]["drafter"]) / "model.safetensors"
-    assert _sha256(last) != _sha256(init / "model.safetensors")
+    assert weights_sha256(last.parent) != weights_sha256(init)
 
 
 def test_the_race_refuses_variants_and_a_missing_specforge(tmp_path, monkeypatch):
@@ -134,3 +129,62 @@ def test_specforge_steps_that_compile_are_booked_apart_as_flashdrafts_are(tmp_pa
     assert progress.steps == len(seconds) and progress.steps >= 9  # 0.1 s of 0.01 s steps, and the compile
     assert 0.1 <= progress.spent < sum(seconds) - 0.1  # the compile step is not in the budget
     assert len(saved) == 2 and progress.checkpoints[-1][1] == round(progress.spent / 60, 4)
+
+
+@pytest.mark.slow
+@needs_specforge
+def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(tmp_path):
+    """--race-side flashdraft, then --race-side specforge --race-with the first result on the same shards
+    (--reuse-data): one result with both sides and the race's verdict; a half from other settings, other
+    shards or the same side is refused before any training, naming what differs."""
+    from flashdraft.bench.quality import build_parser, run_quality
+    from flashdraft.cli import main
+    from flashdraft.errors import FlashdraftError
+
+    target = save_chain_target(tmp_path / "target")
+    work, first, second = tmp_path / "work", tmp_path / "flashdraft.json", tmp_path / "race.json"
+    argv = tiny_quality_argv(target, work, first, 16, 2, "0.03", 12)
+    assert main(["bench", "quality", *argv, "--against", "specforge", "--race-side", "flashdraft"]) == 0
+    half = json.loads(first.read_text())
+    assert list(half["variants"]) == ["flashdraft"] and half["race"] is None
+    assert half["race_inputs"]["settings"]["gpu_minutes"] == 0.03
+    assert not (work / "variants" / "specforge").exists()  # SpecForge did not train
+
+    rest = [*argv, "--against", "specforge", "--race-side", "specforge", "--reuse-data"]
+    rest[rest.index("--out") + 1] = str(second)
+
+    def refused(extra: list[str], match: str) -> None:
+        with pytest.raises(FlashdraftError, match=match):
+            run_quality(build_parser().parse_args([*rest, *extra]), [])
+        assert not second.exists()
+
+    refused(
+        ["--race-with", str(first), "--gpu-minutes", "0.05"], r"another race: --gpu-minutes was 0.03 there"
+    )
+    refused(["--race-with", str(tmp_path / "none.json")], r"--race-with .*none.json: cannot read it")
+    no_reuse = [a for a in rest if a != "--reuse-data"]
+    with pytest.raises(FlashdraftError, match=r"--race-with: both sides must train on the same shards"):
+        run_quality(build_parser().parse_args([*no_reuse, "--race-with", str(first)]), [])
+    flipped = [*rest, "--race-with", str(first)]
+    flipped[flipped.index("--race-side") + 1] = (
+        "flashdraft"  # the file holds flashdraft's side, not SpecForge's
+    )
+    with pytest.raises(FlashdraftError, match=r"holds no specforge side"):
+        run_quality(build_parser().parse_args(flipped), [])
+    other_data = json.loads(first.read_text())
+    other_data["race_inputs"]["data_manifest_sha256"]["train"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other_data))
+    refused(["--race-with", str(tmp_path / "other.json")], r"its train shards are not these")
+
+    assert main(["bench", "quality", *rest, "--race-with", str(first)]) == 0
+    result = json.loads(second.read_text())
+    assert list(result["variants"]) == ["flashdraft", "specforge"] and result["complete"]
+    ours = result["variants"]["flashdraft"]
+    assert ours["final"] == half["variants"]["flashdraft"]["final"]  # taken as measured, not retrained
+    assert ours["measured_in"]["path"] == str(first)
+    race = result["race"]
+    assert race["tau"]["flashdraft"] == ours["final"]["tau"]
+    assert race["tau_ratio"] == pytest.approx(
+        ours["final"]["tau"] / result["variants"]["specforge"]["final"]["tau"]
+    )
+    assert result["race_inputs"]["initial_drafter_sha256"] == half["race_inputs"]["initial_drafter_sha256"]

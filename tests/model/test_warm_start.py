@@ -173,3 +173,23 @@ def test_warm_start_fine_tunes_with_a_fresh_optimizer_and_records_it(tmp_path, q
     )
     assert len(grafted) == 6
     assert not (tmp_path / "fresh" / "warm_start.json").exists()
+
+
+def test_weights_sha256_names_the_tensors_not_the_files_bytes(tmp_path):
+    """The same tensors written in another order, under metadata in another order (safetensors writes its
+    header in an order that changes from process to process), give the same digest; one changed value does
+    not."""
+    from safetensors.torch import save_file
+
+    from flashdraft.model.drafter_dir import WEIGHTS_NAME, weights_sha256
+
+    tensors = {"b.weight": torch.randn(3, 4).to(torch.bfloat16), "a.weight": torch.arange(5.0)}
+    for name, order, metadata in (("one", ["a.weight", "b.weight"], {"format": "pt", "producer": "x"}),
+                                  ("two", ["b.weight", "a.weight"], {"producer": "x", "format": "pt"})):  # fmt: skip
+        (tmp_path / name).mkdir()
+        save_file({k: tensors[k] for k in order}, tmp_path / name / WEIGHTS_NAME, metadata=metadata)
+    assert weights_sha256(tmp_path / "one") == weights_sha256(tmp_path / "two")
+    changed = {**tensors, "a.weight": torch.arange(5.0) + torch.tensor([0, 0, 0, 0, 1.0])}
+    (tmp_path / "three").mkdir()
+    save_file(changed, tmp_path / "three" / WEIGHTS_NAME)
+    assert weights_sha256(tmp_path / "three") != weights_sha256(tmp_path / "one")
