@@ -277,8 +277,6 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
                 raise FlashdraftError(
                     f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
                 )
-    if args.race_with:  # the earlier side's record, before any work (its initial drafter: once written)
-        earlier_side(Path(args.race_with), other_side(args.race_side), race_inputs(args, Path(args.work)))
     target_config = load_target_config(args.target)
     resolve_mask_token_id(args.target, target_config, args.mask_token_id, "--mask-token-id")
     tokenizer = load_target_tokenizer(args.target, required=True)
@@ -872,7 +870,9 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     progress: dict[str, dict[str, Any]] = {}
 
     inputs, earlier, init = None, None, None
-    if args.against:  # what makes two calls' sides one race (flashdraft/bench/race_sides.py)
+    # what makes two calls' sides one race (flashdraft/bench/race_sides.py), checked before any training
+    # or result is written
+    if args.against:
         init = initial_race_drafter(args, work)
         inputs = {**race_inputs(args, work), "initial_drafter_sha256": weights_sha256(init)}
         if args.race_with:

@@ -64,7 +64,7 @@ class Plan:
     lr: float
     steps: int = 0  # drafter steps the plan chose (0: the caller's)
     optimizer: str = "adamw"  # train.optimizer
-    muon_lr: float | None = None  # train.muon_lr with optimizer muon (None: lr)
+    muon_lr: float | None = None  # train.muon_lr with optimizer muon (None: the trainer's default)
     arch: str | None = None  # model.arch (None: the trainer's default, DFlash)
     num_anchors: int = 32  # blocks trained per sequence
     eval_points: int = 3  # held-out evaluations over the run; the best of them is decoded
