@@ -98,7 +98,9 @@
 # ROW=fp8 recipe that way (stop 48).
 # The device image lacks nvidia-ml-py: `pip install --target .gpu/pydeps nvidia-ml-py` here, carry [".gpu"].
 set -uo pipefail
-export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1
+# FLASHDRAFT_FAILURES_NOW: pytest writes each failure's traceback when it happens (tests/conftest.py), so a
+# call cut by its time limit still shows why a test failed
+export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1 FLASHDRAFT_FAILURES_NOW=1
 out=${OUT:-/tmp/flashdraft-gpu}
 mkdir -p "$out"
 REAL=/tmp/real

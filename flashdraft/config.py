@@ -220,17 +220,16 @@ class TrainConfig:
     lr: float = doc(6e-4, "Peak learning rate of AdamW (paper: 6e-4).")
     weight_decay: float = doc(0.0, "AdamW weight decay (with train.optimizer=muon, Muon's too).")
     optimizer: str = doc(
-        "adamw",
-        "'adamw' (the paper's, the default); 'muon': Muon (momentum orthogonalised by Newton-Schulz) for the "
-        "2-D weight matrices of the drafter's own layers and its feature fusion fc, the matrices of hidden "
-        "layers that Muon is made for, and AdamW for the rest (norms, DFlash2's selector and base kernels: "
-        "1-D, embedding-like or head-like); 'auto': Muon for a drafter at most 1,024 wide (targets up to "
-        "~0.6B), AdamW for a wider one or under FSDP, and on a resume the optimizer the run started with "
-        "(train/muon.py's resolve_optimizer; config.yaml records the choice). On SmolLM2 (576 wide) Muon at "
-        "four times the AdamW lr beat AdamW by 30% real τ in 5 minutes; on an 8B-wide drafter its update "
-        "costs 193 ms a step, half the step. 'auto' is not the default yet: with it, one GPU test (a DFlash2 "
-        "drafter with sliding-window layers, compiled in bf16) failed, cause not yet seen "
-        "(docs/training-loop.md). Not 'muon' with distributed.data_parallel=fsdp (Muon needs whole matrices).",
+        "auto",
+        "'auto' (default): Muon for a drafter at most 1,024 wide (targets up to ~0.6B), AdamW for a wider "
+        "one, and on a resume the optimizer the run started with (train/muon.py's resolve_optimizer; "
+        "config.yaml records the choice). 'adamw' (the paper's), or 'muon': Muon (momentum orthogonalised "
+        "by Newton-Schulz) for the 2-D weight matrices of the drafter's own layers and its feature fusion fc, "
+        "the matrices of hidden layers that Muon is made for, and AdamW for the rest (norms, DFlash2's "
+        "selector and base kernels: 1-D, embedding-like or head-like). On SmolLM2 (576 wide) Muon at four "
+        "times the AdamW lr beat AdamW by 30% real τ in 5 minutes; on an 8B-wide drafter its update costs "
+        "193 ms a step, half the step (docs/training-loop.md). Not with distributed.data_parallel=fsdp "
+        "(Muon needs whole matrices; auto picks AdamW there).",
         choices=OPTIMIZER_CHOICES,
     )
     muon_lr: float | None = doc(

@@ -23,6 +23,26 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+# benchmarks/gpu_session.sh sets this: a device call's time limit can cut pytest before its summary, which is
+# where a failure's traceback would appear, so each one is written out the moment the test fails.
+FAILURES_NOW = "FLASHDRAFT_FAILURES_NOW"
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    if not (report.failed and os.environ.get(FAILURES_NOW) and _config is not None):
+        return
+    terminal = _config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:  # an xdist worker has none: its reports reach the controller, which writes them
+        terminal.write_line(f"\n{'=' * 20} FAILED {report.nodeid} ({report.when})\n{report.longreprtext}")
+        terminal.flush()
+
+
 @pytest.fixture
 def fresh_compile_cache():
     """dynamo's caches and counters empty before and after a test, so graph counts are the test's own.

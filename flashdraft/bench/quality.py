@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=positive_float,
         default=6e-4,
-        help="peak AdamW learning rate (Muon's part, where a variant's train.optimizer picks it: 4x)",
+        help="peak AdamW learning rate (Muon's part, where train.optimizer=auto picks it: 4x)",
     )
     p.add_argument("--num-anchors", type=positive_int, default=256, help="blocks trained per sequence")
     p.add_argument("--max-length", type=positive_int, default=2048, help="tokens per training sequence")
@@ -476,7 +476,7 @@ def train_and_evaluate(
 
 
 # What a variant's result records of the recipe it trained with, as config.yaml resolved it (train.optimizer
-# auto: the optimizer it picked), beside the race's SpecForge settings
+# auto -> the optimizer picked), beside the race's SpecForge settings
 RECIPE_KEYS = (
     "optimizer",
     "lr",

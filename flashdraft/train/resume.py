@@ -82,7 +82,7 @@ def _grows(key: str, old: Any, new: Any) -> bool:
 
 # What a checkpoint written before a key existed ran with, where the key's default has changed since it was
 # added: train.position_weight was added with 'decay' and became 'dpace' (docs/drafters.md §4).
-# train.optimizer was added with 'adamw' (its default; 'auto' is recorded resolved in config.yaml).
+# train.optimizer was added with 'adamw' and became 'auto' (which config.yaml records resolved).
 ABSENT_KEY_MEANT: dict[str, Any] = {"train.position_weight": "decay", "train.optimizer": "adamw"}
 
 

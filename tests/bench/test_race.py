@@ -51,7 +51,9 @@ def _race_on_a_tiny_target(tmp_path: Path, device: str) -> None:
     assert theirs["training"]["train_minutes"] >= 0.03 and theirs["training"]["budget_spent"]
     assert "specforge.optimizer.BF16Optimizer" in theirs["training"]["settings"]["calls"]
     ours = result["variants"]["flashdraft"]["training"]["settings"]  # its recipe, as config.yaml resolved it
-    assert (ours["optimizer"], ours["lr"], ours["position_weight"]) == ("adamw", 3e-3, "dpace")
+    assert ours["optimizer"] == "muon" and ours["muon_lr"] == pytest.approx(
+        4 * ours["lr"]
+    )  # a narrow drafter
     for name, variant in result["variants"].items():
         assert variant["complete"] and len(variant["curve"]) >= 2, name
         minutes = [p["gpu_minutes"] for p in variant["curve"]]

@@ -18,9 +18,9 @@ from tests.processes import run_or_dump
 
 pytestmark = pytest.mark.slow
 
-# AdamW on every side, whatever the default: fsdp cannot run Muon (train.optimizer=auto would pick Muon for
-# one process of this narrow drafter and AdamW for fsdp), and Muon's Newton-Schulz magnifies the ranks'
-# summation order past these tolerances (its own test below compares it at its own)
+# AdamW on every side: fsdp cannot run Muon (train.optimizer=auto picks AdamW there, Muon for one process of
+# this narrow drafter), and Muon's Newton-Schulz magnifies the ranks' summation order past these tolerances
+# (its own test below compares it at its own)
 COMMON = {
     "train.log_every": 1,
     "train.device": "cpu",

@@ -269,7 +269,8 @@ def test_resuming_with_another_optimizer_is_refused():
 
 
 def test_auto_picks_muon_for_a_narrow_drafter_and_adamw_for_a_wide_one_or_fsdp():
-    auto = TrainConfig(optimizer="auto", lr=6e-4)
+    auto = TrainConfig(lr=6e-4)
+    assert auto.optimizer == "auto"
     narrow = resolve_optimizer(auto, width=576, data_parallel="auto")
     assert (narrow.optimizer, narrow.muon_lr) == ("muon", pytest.approx(2.4e-3))  # 4 x lr
     assert resolve_optimizer(auto, width=1024, data_parallel="ddp").optimizer == "muon"
@@ -288,7 +289,7 @@ def test_auto_picks_muon_for_a_narrow_drafter_and_adamw_for_a_wide_one_or_fsdp()
 
 
 def test_auto_on_a_resume_continues_the_runs_optimizer_and_its_muon_lr():
-    auto = TrainConfig(optimizer="auto", lr=6e-4)
+    auto = TrainConfig(lr=6e-4)
     recorded_adamw = to_dict(TrainConfig(optimizer="adamw", lr=6e-4))
     assert (
         resolve_optimizer(auto, width=576, data_parallel="auto", resumed=recorded_adamw).optimizer == "adamw"

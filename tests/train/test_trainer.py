@@ -147,20 +147,19 @@ def test_gradient_accumulation_equals_large_batch(tmp_path, qwen3_target, train_
     assert all(abs(a[s] - b[s]) < tolerance for s in (1, 2, 3)), (a, b)
 
 
-def test_auto_optimizer_is_muon_for_a_narrow_drafter_and_a_resume_keeps_the_runs_own(
+def test_the_default_optimizer_is_muon_for_a_narrow_drafter_and_a_resume_keeps_the_runs_own(
     tmp_path, qwen3_target, train_file
 ):
     """train.optimizer=auto: Muon at 4 x train.lr for this narrow drafter, recorded resolved in config.yaml; a
-    run that started with AdamW (the default) resumes under auto with AdamW."""
+    run that started with AdamW (explicitly, or before auto existed) resumes under the defaults with AdamW."""
     fresh = tmp_path / "fresh"
-    auto = {"train.optimizer": "auto"}
-    train(load_config(None, _overrides(qwen3_target, train_file, fresh, **{"train.max_steps": 4}, **auto)))
+    train(load_config(None, _overrides(qwen3_target, train_file, fresh, **{"train.max_steps": 4})))
     recorded = yaml.safe_load((fresh / "config.yaml").read_text())["train"]
     assert (recorded["optimizer"], recorded["muon_lr"]) == ("muon", pytest.approx(8e-3))
     assert set(load_trainer_state(list_checkpoints(fresh)[-1])["optimizer"]) == {"adamw", "muon"}
     adamw = tmp_path / "adamw"
-    train(load_config(None, _overrides(qwen3_target, train_file, adamw)))
-    train(load_config(None, _overrides(qwen3_target, train_file, adamw, **{"train.max_steps": 12}, **auto)))
+    train(load_config(None, _overrides(qwen3_target, train_file, adamw, **{"train.optimizer": "adamw"})))
+    train(load_config(None, _overrides(qwen3_target, train_file, adamw, **{"train.max_steps": 12})))
     assert yaml.safe_load((adamw / "config.yaml").read_text())["train"]["optimizer"] == "adamw"
     assert max(_losses(adamw)) == 12
 
