@@ -621,7 +621,7 @@ def run_race(
     publish("specforge", record)
     evaluate_curve(
         args, work, "specforge", theirs["checkpoints"], record, console, zlab,
-        on_progress=lambda r: publish("specforge", r), plain_runs={},
+        on_progress=lambda r: publish("specforge", r),
     )  # fmt: skip
     variants["specforge"] = record
     return variants

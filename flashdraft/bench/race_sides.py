@@ -77,14 +77,15 @@ def earlier_side(path: Path, wanted_side: str, inputs: dict[str, Any]) -> dict[s
     if not record.get("complete") or not record.get("final"):
         raise FlashdraftError(f"{where}: its {wanted_side} side did not finish (complete is false)")
     theirs = earlier["race_inputs"]
+    their_settings, their_data = theirs.get("settings", {}), theirs.get("data_manifest_sha256", {})
     for flag, value in inputs["settings"].items():
-        if theirs.get("settings", {}).get(flag) != value:
+        if their_settings.get(flag) != value:
             raise FlashdraftError(
-                f"{where}: another race: --{flag.replace('_', '-')} was {theirs.get('settings', {}).get(flag)!r} "
+                f"{where}: another race: --{flag.replace('_', '-')} was {their_settings.get(flag)!r} "
                 f"there, {value!r} here"
             )
     for split, digest in inputs["data_manifest_sha256"].items():
-        if theirs.get("data_manifest_sha256", {}).get(split) != digest:
+        if their_data.get(split) != digest:
             raise FlashdraftError(
                 f"{where}: another race: its {split} shards are not these (WORK/data/{split}/manifest.json "
                 "differs; carry the shards the earlier side trained on and give --reuse-data)"

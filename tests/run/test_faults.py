@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def assert_clean(info: dict, grace_s: float = 15.0) -> None:
+def assert_clean(info: dict, grace_s: float = 15.0) -> str:
     """The log holds the evidence and no process of the run is left: each is gone within `grace_s` of the
     final status (the supervisor writes it as its last act, then its interpreter still shuts down, which on
     a loaded machine has taken over a second)."""
