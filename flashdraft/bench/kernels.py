@@ -16,10 +16,12 @@ def _self_us(event, on_gpu: bool) -> float:
     return event.self_cpu_time_total
 
 
-def top_kernels(run: Callable[[], object], repeats: int, device: torch.device, count: int = 12) -> list[dict]:
-    """`run()` `repeats` times under torch.profiler; the `count` kernels on `device` (aten operators on the
-    CPU) with the most self time, each with its calls and microseconds per repeat and its share of all
-    recorded self time, largest first."""
+def profile_kernels(
+    run: Callable[[], object], repeats: int, device: torch.device
+) -> tuple[list[dict], float]:
+    """`run()` `repeats` times under torch.profiler: every kernel on `device` (aten operators on the CPU),
+    each with its calls and microseconds per repeat and its share of all recorded self time, largest first;
+    and that total in microseconds per repeat (set against a step's wall time, the rest is the device idle)."""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
     with profile(activities=activities) as prof:
@@ -35,12 +37,18 @@ def top_kernels(run: Callable[[], object], repeats: int, device: torch.device, c
         if _self_us(e, on_gpu) > 0 and (not on_gpu or getattr(e, "device_type", None) == DeviceType.CUDA)
     ]
     total = sum(_self_us(e, on_gpu) for e in events) or 1.0
-    return [
+    rows = [
         {
             "name": e.key[:120],
             "calls_per_step": round(e.count / repeats, 2),
             "us_per_step": round(_self_us(e, on_gpu) / repeats, 1),
             "share": round(_self_us(e, on_gpu) / total, 4),
         }
-        for e in sorted(events, key=lambda e: _self_us(e, on_gpu), reverse=True)[:count]
+        for e in sorted(events, key=lambda e: _self_us(e, on_gpu), reverse=True)
     ]
+    return rows, total / repeats
+
+
+def top_kernels(run: Callable[[], object], repeats: int, device: torch.device, count: int = 12) -> list[dict]:
+    """The `count` kernels of `profile_kernels` with the most self time, largest first."""
+    return profile_kernels(run, repeats, device)[0][:count]

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
-from flashdraft.bench.kernels import top_kernels
+from flashdraft.bench.kernels import profile_kernels
 from flashdraft.bench.provenance import provenance, write_result
 from flashdraft.bench.shapes import (
     MASK_TOKEN_IDS,
@@ -276,7 +276,8 @@ def run_shape(
     kernels: int = 0,
 ) -> dict:
     """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled; with
-    `kernels`, also the step's `kernels` largest kernels by device time (`top_kernels`)."""
+    `kernels`, also the drafter step's and its forward's `kernels` largest kernels by device time and the
+    device time of all their kernels (`step_kernels`, `forward_kernels`)."""
     shape = SHAPES[name]
     torch._dynamo.reset()  # each shape builds its own drafter: start from a clean compile cache
     step = _build_drafter_step(
@@ -295,8 +296,9 @@ def run_shape(
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
     breakdown = profile_breakdown(step.objective, step.optimizer, batches[0].to(torch.device("cuda")))
-    top = step_kernels(step.objective, step.optimizer, batches[0].to(torch.device("cuda")), kernels)
-    forward_top = forward_kernels(step.objective, batches[0].to(torch.device("cuda")), kernels)
+    cuda_batch = batches[0].to(torch.device("cuda"))
+    step_top, step_kernel_ms = step_kernels(step.objective, step.optimizer, cuda_batch, kernels)
+    forward_top, forward_kernel_ms = forward_kernels(step.objective, cuda_batch, kernels)
     return {
         "shape": name,
         **shape,
@@ -307,7 +309,16 @@ def run_shape(
         "loss_chunk": loss_chunk,
         "attention": step.placement.attention,
         **_measurements(step, shape, timed, breakdown),
-        **({"top_kernels": top, "forward_kernels": forward_top} if kernels else {}),
+        **(
+            {
+                "step_kernel_ms": step_kernel_ms,
+                "step_kernels": step_top,
+                "forward_kernel_ms": forward_kernel_ms,
+                "forward_kernels": forward_top,
+            }
+            if kernels
+            else {}
+        ),
     }
 
 
@@ -365,34 +376,38 @@ def profile_breakdown(objective: Objective, optimizer, batch: TokenBatch) -> dic
     return {k: round(v, 2) for k, v in timer.medians().items()}
 
 
-def step_kernels(objective: Objective, optimizer, batch: TokenBatch, count: int) -> list[dict]:
-    """The drafter step's (target features, forward, loss, backward, clip + AdamW) `count` largest kernels
-    by device time, per step over 3 steps (bench/kernels.py): which GEMMs, attention and casts the
-    breakdown's phases are made of. Empty for `count` 0."""
+def step_kernels(objective: Objective, optimizer, batch: TokenBatch, count: int) -> tuple[list[dict], float]:
+    """The drafter step's (blocks, forward, loss, backward, clip + AdamW; the target's features made before,
+    so that its GEMMs do not hide the drafter's) `count` largest kernels by device time, per step over 3
+    steps (bench/kernels.py), and all its kernels' milliseconds per step: which GEMMs, attention and casts
+    the breakdown's phases are made of, and how much of the step the device is busy. Empty for `count` 0."""
     if count <= 0:
-        return []
+        return [], 0.0
+    features = objective.target.features(batch.input_ids)
 
     def one_step() -> None:
-        out = objective(batch, objective.blocks(batch), features=objective.target.features(batch.input_ids))
+        out = objective(batch, objective.blocks(batch), features=features)
         (out.loss_sum / out.weight_sum).backward()
         optimizer.clip_and_step(1.0)
         optimizer.zero_grad(set_to_none=True)
 
-    return top_kernels(one_step, 3, batch.input_ids.device, count)
+    rows, total_us = profile_kernels(one_step, 3, batch.input_ids.device)
+    return rows[:count], round(total_us / 1000, 2)
 
 
-def forward_kernels(objective: Objective, batch: TokenBatch, count: int) -> list[dict]:
+def forward_kernels(objective: Objective, batch: TokenBatch, count: int) -> tuple[list[dict], float]:
     """The drafter's forward and loss alone (the target's features and the blocks made before, no
-    backward): its `count` largest kernels per call over 3 calls, so that the forward's GEMMs are not
-    mixed with the target's (step_kernels has both)."""
+    backward): its `count` largest kernels per call over 3 calls and all its kernels' milliseconds per
+    call, as `step_kernels`. Empty for `count` 0."""
     if count <= 0:
-        return []
+        return [], 0.0
     blocks, features = objective.blocks(batch), objective.target.features(batch.input_ids)
 
     def forward() -> None:
         objective(batch, blocks, features=features)
 
-    return top_kernels(forward, 3, batch.input_ids.device, count)
+    rows, total_us = profile_kernels(forward, 3, batch.input_ids.device)
+    return rows[:count], round(total_us / 1000, 2)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -501,8 +516,10 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="also profile 3 steps of each variant and record its N largest kernels by device time "
-        "(top_kernels in the result: which GEMMs, attention and casts the breakdown is made of)",
+        help="also profile 3 drafter steps of each variant (the target's features made before) and 3 of its "
+        "forwards, and record the N largest kernels of each by device time and the device time of all of "
+        "them (step_kernels, forward_kernels, step_kernel_ms, forward_kernel_ms in the result: which GEMMs, "
+        "attention and casts the breakdown is made of, and how busy the device is)",
     )
     parser.add_argument("--out", default=None, help="write results JSON here")
     return parser

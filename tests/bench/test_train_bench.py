@@ -108,10 +108,11 @@ def test_the_phase_timer_wraps_the_objectives_own_calls_and_restores_them(qwen3_
     assert len(opened) == spans
 
 
-def test_step_kernels_profile_the_whole_training_step_largest_first(qwen3_target):
+def test_step_kernels_profile_the_whole_drafter_step_largest_first(qwen3_target):
     """`bench train --kernels N`: the N operators with the most self time over whole drafter steps
-    (forward, loss, backward, optimizer): on the CPU aten operators, with a matmul among them, sorted by
-    time per step, shares of the total; the step trained (the weights moved)."""
+    (forward, loss, backward, optimizer; the target's features made before): on the CPU aten operators,
+    with a matmul among them, sorted by time per step, shares of the total, and the total itself; the step
+    trained (the weights moved)."""
     from flashdraft.train.loss import WeightedHeadLoss
     from flashdraft.train.objective import Objective
     from flashdraft.train.optim import make_optimizer
@@ -124,9 +125,11 @@ def test_step_kernels_profile_the_whole_training_step_largest_first(qwen3_target
     optimizer = make_optimizer(trained, lr=1e-3, weight_decay=0.0)
     batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
     before = [p.detach().clone() for p in trained]
-    assert train_bench.step_kernels(objective, optimizer, batch, 0) == []
-    top = train_bench.step_kernels(objective, optimizer, batch, 8)
+    assert train_bench.step_kernels(objective, optimizer, batch, 0) == ([], 0.0)
+    top, total_ms = train_bench.step_kernels(objective, optimizer, batch, 8)
     assert len(top) == 8
+    # the total is every operator's time, of which the listed ones are their shares
+    assert total_ms > 0 and abs(top[0]["us_per_step"] / 1000 - top[0]["share"] * total_ms) <= 0.01 * total_ms
     times = [k["us_per_step"] for k in top]
     assert times == sorted(times, reverse=True) and times[0] > 0
     assert all(0 < k["share"] <= 1 and k["calls_per_step"] > 0 for k in top)
@@ -147,8 +150,9 @@ def test_forward_kernels_profile_the_drafters_forward_alone(qwen3_target):
     objective = Objective(drafter, target, num_anchors=4, gamma=3.0, loss=WeightedHeadLoss(chunk=7))
     batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
     before = [p.detach().clone() for p in drafter.parameters()]
-    assert train_bench.forward_kernels(objective, batch, 0) == []
-    top = train_bench.forward_kernels(objective, batch, 6)
+    assert train_bench.forward_kernels(objective, batch, 0) == ([], 0.0)
+    top, total_ms = train_bench.forward_kernels(objective, batch, 6)
+    assert total_ms >= sum(k["us_per_step"] for k in top) / 1000 * 0.999
     times = [k["us_per_step"] for k in top]
     assert len(top) == 6 and times == sorted(times, reverse=True) and times[0] > 0
     assert any("mm" in k["name"] or "linear" in k["name"] for k in top), [k["name"] for k in top]
