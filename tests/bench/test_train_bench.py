@@ -208,6 +208,15 @@ def test_the_precision_variants_each_once_with_the_fp8_head_after_each_fp8_recip
     ]
     names = [train_bench.variant_name(*v) for v in variants]
     assert names == ["bf16", "fp8-tensorwise", "fp8-tensorwise+head", "fp8-rowwise", "fp8-rowwise+head"]
+    # `--fp8-head only`: each fp8 recipe with the FP8 head alone
+    args = parse([*precisions, "--fp8-recipe", "tensorwise", "--fp8-recipe", "rowwise", "--fp8-head", "only"])
+    assert train_bench._variants(args) == [
+        ("bf16", "tensorwise", False),
+        ("fp8", "tensorwise", True),
+        ("fp8", "rowwise", True),
+    ]
+    with pytest.raises(SystemExit):
+        parse(["--precision", "fp8", "--fp8-head", "sometimes"])
 
 
 def test_each_variant_is_set_against_bf16_with_its_optimizer_and_against_adamw_at_its_precision():
