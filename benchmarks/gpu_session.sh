@@ -48,7 +48,10 @@
 #          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
 #          also returns race-TARGET-data.tar (the shards and prompts); the next session carries it and the
 #          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
-#          trains on those shards and merges the halves (--reuse-data --race-with)
+#          trains on those shards and merges the halves (--reuse-data --race-with). On the same warm machine
+#          nothing need be carried: `SIDE=flashdraft race`, race-wait, then `SIDE=specforge race`, race-wait
+#          (two calls of under 10 minutes each for 5-minute budgets; a machine taken back between them leaves
+#          the first half and its shards here, for a later session)
 #   race-wait: wait (up to WAIT_TICKS x 10 s, default 54: 9 min) for the race, then copy its JSON and log tail to $OUT
 #          (repeat until complete)
 #   warm: after real-setup, issue 33's warm start, detached: `bench quality --warm-start PRIOR_MINUTES` (default 5)
@@ -149,6 +152,9 @@ case "$part" in
     if [ -f .real/race-${TARGET:-smollm2}-data.tar ]; then
       mkdir -p $w && tar -xf .real/race-${TARGET:-smollm2}-data.tar -C $w || exit 1
       half="--reuse-data --race-with $PWD/.real/race-${TARGET:-smollm2}-half.json"
+    elif [ "${SIDE:-both}" != both ] && [ -f $w-half.json ]; then
+      # the other side finished earlier on this machine (race-wait kept its result): train on its shards
+      half="--reuse-data --race-with $w-half.json"
     fi
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --against specforge \
       --target $tdir --work $w --device cuda --prompts 2000 --eval-prompts 16 \
@@ -159,8 +165,13 @@ case "$part" in
     r=$REAL/race-${TARGET:-smollm2}
     waitfor $r
     cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40
-    # a one-sided race's shards and prompts, for the other side's call (carried back as .real/race-TARGET-data.tar)
-    [ "${SIDE:-both}" != both ] && tar -cf "$out/race-${TARGET:-smollm2}-data.tar" -C $r data prompts && ls -la "$out" ;;
+    if [ "${SIDE:-both}" != both ]; then
+      # a one-sided race's shards and prompts, for the other side's call in a later session (carried back as
+      # .real/race-TARGET-data.tar); and its finished result kept on this machine, where `SIDE=<the other>
+      # race` finds it when nothing is carried (the first half only: the second side's file is the merged race)
+      tar -cf "$out/race-${TARGET:-smollm2}-data.tar" -C $r data prompts && ls -la "$out"
+      finished $r.json && [ ! -f $r-half.json ] && cp $r.json $r-half.json
+    fi ;;
   warm)
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality \
       --warm-start ${PRIOR_MINUTES:-5} --target $REAL/smollm2 --work $REAL/warm --device cuda --prompts 2000 \
