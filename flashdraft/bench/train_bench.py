@@ -267,7 +267,7 @@ def run_shape(
     warmup: int,
     num_layers: int,
     compile: bool,
-    loss_chunk: int = 1024,
+    loss_chunk: int = TrainConfig.loss_chunk,
     master_weights: bool = True,
     precision: str = "bf16",
     fp8_recipe: str = "tensorwise",
@@ -472,7 +472,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashdraft bench train")
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append", help="a, b (default both)")
     _add_run_shape_arguments(parser)
-    parser.add_argument("--loss-chunk", type=int, default=1024, help="rows per fused LM-head chunk")
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=TrainConfig.loss_chunk,
+        help="rows per fused LM-head chunk (default: the trainer's train.loss_chunk; results before stop 57 used 1024)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
     parser.add_argument(
         "--no-master-weights",
