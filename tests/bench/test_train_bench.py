@@ -126,7 +126,12 @@ def test_step_kernels_profile_the_whole_drafter_step_largest_first(qwen3_target)
     batch = token_batch([23, 15], prompt_lengths=[5, 9], seq_len=26)
     before = [p.detach().clone() for p in trained]
     assert train_bench.step_kernels(objective, optimizer, batch, 0) == ([], 0.0)
+    calls = []
+    features = target.features
+    target.features = lambda *args, **kwargs: calls.append(1) or features(*args, **kwargs)
     top, total_ms = train_bench.step_kernels(objective, optimizer, batch, 8)
+    del target.features
+    assert len(calls) == 1  # the target's forward once, before the profiled steps, not in each of them
     assert len(top) == 8
     # the total is every operator's time, of which the listed ones are their shares
     assert total_ms > 0 and abs(top[0]["us_per_step"] / 1000 - top[0]["share"] * total_ms) <= 0.01 * total_ms
