@@ -54,7 +54,7 @@
 #          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
 #          trains on those shards and merges the halves (--reuse-data --race-with). On the same warm machine
 #          nothing need be carried: `SIDE=flashdraft race`, race-wait, then `SIDE=specforge race`, race-wait
-#          (two calls of under 10 minutes each for 5-minute budgets; a machine taken back between them leaves
+#          (about 10 minutes a side for 5-minute budgets; a machine taken back between the sides leaves
 #          the first half and its shards here, for a later session)
 #   race-wait: wait (up to WAIT_TICKS x 10 s, default 54: 9 min) for the race, then copy its JSON and log tail to $OUT
 #          (repeat until complete)
