@@ -20,36 +20,25 @@ Usage on the device: PYTHONPATH=$PWD python3 benchmarks/head_probe.py [--out FIL
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
 from flashdraft.bench.kernels import top_kernels
-from flashdraft.train.loss import PLAIN_HEAD, HeadGemm, WeightedHeadLoss
+from flashdraft.train.loss import WeightedHeadLoss
 
 
-def split_chunk_rows(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    teacher: Tensor | None,
-    multiplier: float,
-    loss: str,
-    lk_eta: float,
-    top_k: int,
-    gemm: HeadGemm = PLAIN_HEAD,
-    gemm_operands: tuple[Tensor, ...] = (),
-    *,
-    splits: int,
-):
+def split_chunk_rows(*chunk_args, splits: int):
     """`train/loss.py::chunk_rows` for cross-entropy, its row reductions split along the vocabulary into
     `splits` parts (rows x splits reductions instead of rows: more of them run at once) and combined: the
     log-sum-exp from each part's max and sum of exponentials, the argmax from the first part holding the
     largest logit (torch.argmax's first occurrence)."""
+    # chunk_rows's arguments, in the order WeightedHeadLoss.rows passes them
+    hidden, weight, labels, _teacher, multiplier, loss, _lk_eta, top_k, gemm, gemm_operands = chunk_args
     if loss != "ce" or top_k:
         raise ValueError("the split head pass is written for cross-entropy without a selector")
     logits = gemm.logits(hidden, weight, gemm_operands).float()
@@ -112,10 +101,7 @@ def probe(args: argparse.Namespace) -> dict:
                 torch._dynamo.reset()
                 loss = WeightedHeadLoss(chunk=chunk, head=gemm, compile=args.compile)
                 if splits > 1:
-
-                    def split_fn(*chunk_args, splits=splits):
-                        return split_chunk_rows(*chunk_args, splits=splits)
-
+                    split_fn = functools.partial(split_chunk_rows, splits=splits)
                     loss.chunk_fn = torch.compile(split_fn, fullgraph=True) if args.compile else split_fn
 
                 def run(loss=loss):
