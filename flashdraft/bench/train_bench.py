@@ -9,10 +9,11 @@ timed with CUDA events around the real objective's own calls.
 
 `--precision bf16 --precision fp8 [--fp8-recipe tensorwise --fp8-recipe rowwise] [--fp8-head]` runs each
 drafter precision in turn on the same target and reports each against bf16 (docs/fp8.md); `--fp8-head` adds,
-after each FP8 variant, the same with the loss's head GEMMs in FP8 too (train.fp8_head). Before the drafter
-steps, the target's feature forward is timed eager and then, unless `--no-compile-target` (as the trainer's
-train.compile_target, on by default), with its decoder layers compiled, against its GEMM floor; the drafter
-steps then run beside the compiled target, as `flashdraft train` does.
+after each FP8 variant, the same with the loss's head GEMMs in FP8 too (train.fp8_head; `--fp8-head only`:
+instead of it). `--kernels N` profiles each variant's drafter step and forward apart from the target's. Before
+the drafter steps, the target's feature forward is timed eager and then, unless `--no-compile-target` (as the
+trainer's train.compile_target, on by default), with its decoder layers compiled, against its GEMM floor; the
+drafter steps then run beside the compiled target, as `flashdraft train` does.
 
 `flashdraft bench train --data SHARDS [--packing on|off|both]` times real steps on a real shard set instead,
 with and without sequence packing (flashdraft/bench/packing_bench.py, docs/packing.md); it runs on the CPU
