@@ -296,8 +296,8 @@ def run_shape(
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
-    breakdown = profile_breakdown(step.objective, step.optimizer, batches[0].to(torch.device("cuda")))
     cuda_batch = batches[0].to(torch.device("cuda"))
+    breakdown = profile_breakdown(step.objective, step.optimizer, cuda_batch)
     step_top, step_kernel_ms = step_kernels(step.objective, step.optimizer, cuda_batch, kernels)
     forward_top, forward_kernel_ms = forward_kernels(step.objective, cuda_batch, kernels)
     return {
@@ -392,8 +392,7 @@ def step_kernels(objective: Objective, optimizer, batch: TokenBatch, count: int)
         optimizer.clip_and_step(1.0)
         optimizer.zero_grad(set_to_none=True)
 
-    rows, total_us = profile_kernels(one_step, 3, batch.input_ids.device)
-    return rows[:count], round(total_us / 1000, 2)
+    return _listed_kernels(one_step, batch.input_ids.device, count)
 
 
 def forward_kernels(objective: Objective, batch: TokenBatch, count: int) -> tuple[list[dict], float]:
@@ -407,7 +406,12 @@ def forward_kernels(objective: Objective, batch: TokenBatch, count: int) -> tupl
     def forward() -> None:
         objective(batch, blocks, features=features)
 
-    rows, total_us = profile_kernels(forward, 3, batch.input_ids.device)
+    return _listed_kernels(forward, batch.input_ids.device, count)
+
+
+def _listed_kernels(run, device: torch.device, count: int) -> tuple[list[dict], float]:
+    """`run` profiled over 3 repeats: its `count` largest kernels and all its kernels' ms per repeat."""
+    rows, total_us = profile_kernels(run, 3, device)
     return rows[:count], round(total_us / 1000, 2)
 
 
