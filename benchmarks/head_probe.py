@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 
@@ -74,6 +75,16 @@ def _median_ms(fn, reps: int, device: torch.device) -> float:
             fn()
             times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
+
+
+def _save(report: dict, path: str | None) -> None:
+    """Write the report so far through a temporary file: a call cut by its time limit keeps every finished
+    variant."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(tmp, path)
 
 
 def probe(args: argparse.Namespace) -> dict:
@@ -135,6 +146,7 @@ def probe(args: argparse.Namespace) -> dict:
                     row["added_peak_GiB"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 2)
                     row["kernels"] = top_kernels(run, 3, device, args.kernels)
                 report["variants"].append(row)
+                _save(report, args.out)
                 print(
                     f"{head_name:5} chunk {chunk:5} splits {splits:3}: {row['ms']:8.3f} ms, "
                     f"{row['logits_GB_per_s_3x']:8.1f} GB/s, loss diff {checks['loss_max_abs_diff']:.2e}, "
@@ -162,9 +174,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     args = parser.parse_args()
     report = probe(args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    report["complete"] = True
+    _save(report, args.out)
 
 
 if __name__ == "__main__":
