@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
 import time
 
@@ -30,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.bench.kernels import top_kernels
+from flashdraft.durable import atomic_write_json
 from flashdraft.train.loss import WeightedHeadLoss
 
 
@@ -75,16 +74,6 @@ def _median_ms(fn, reps: int, device: torch.device) -> float:
             fn()
             times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
-
-
-def _save(report: dict, path: str | None) -> None:
-    """Write the report so far through a temporary file: a call cut by its time limit keeps every finished
-    variant."""
-    if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, path)
 
 
 def probe(args: argparse.Namespace) -> dict:
@@ -146,7 +135,8 @@ def probe(args: argparse.Namespace) -> dict:
                     row["added_peak_GiB"] = round((torch.cuda.max_memory_allocated(device) - base) / 2**30, 2)
                     row["kernels"] = top_kernels(run, 3, device, args.kernels)
                 report["variants"].append(row)
-                _save(report, args.out)
+                if args.out:  # after each variant: a call cut by its time limit keeps the finished ones
+                    atomic_write_json(args.out, report)
                 print(
                     f"{head_name:5} chunk {chunk:5} splits {splits:3}: {row['ms']:8.3f} ms, "
                     f"{row['logits_GB_per_s_3x']:8.1f} GB/s, loss diff {checks['loss_max_abs_diff']:.2e}, "
@@ -175,7 +165,8 @@ def main() -> None:
     args = parser.parse_args()
     report = probe(args)
     report["complete"] = True
-    _save(report, args.out)
+    if args.out:
+        atomic_write_json(args.out, report)
 
 
 if __name__ == "__main__":
