@@ -7,8 +7,9 @@ each chunk's bf16 logits twice and writing the gradient once would take about 1.
 bandwidth. This times the trainer's own head pass (`WeightedHeadLoss.rows`, compiled, cross-entropy) on
 shape (a)'s rows against a random Qwen3-8B-sized head, for each head (bf16, FP8) and loss chunk, and the same
 pass with the chunk function written along the vocabulary in `--splits` parts (`split_chunk_rows`: each part's
-max, argmax and sum of exponentials, then the parts combined), whose rows are checked against the trainer's
-at the same chunk.
+max, argmax and sum of exponentials, then the parts combined), and, for the FP8 head, the trainer's pass with
+the gradient's amax read from the gradient (`fp8-amax-read`, the path before `ce_grad_amax`), each checked
+against the trainer's rows at the same chunk.
 Each variant: median ms per pass over `--reps`, the logits' bytes per ms (two reads and one write of the bf16
 logits: the floor's traffic), the peak memory the pass adds, and its largest kernels.
 
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from flashdraft.bench.kernels import top_kernels
 from flashdraft.durable import atomic_write_json
-from flashdraft.train.loss import WeightedHeadLoss
+from flashdraft.train.loss import WeightedHeadLoss, ce_grad_amax
 
 
 def split_chunk_rows(*chunk_args, splits: int):
@@ -52,10 +53,28 @@ def split_chunk_rows(*chunk_args, splits: int):
     lse = row_max + torch.log((part_sum * torch.exp(part_max - row_max[:, None])).sum(dim=-1))
     label_log_q = logits.gather(-1, labels[:, None])[:, 0] - lse
     grad_logits = torch.exp(logits - lse[:, None]) - F.one_hot(labels, vocab).to(logits.dtype)
-    grad = gemm.input_grad(grad_logits * multiplier, weight, gemm_operands, hidden.dtype)
+    grad_amax = ce_grad_amax(label_log_q, multiplier)
+    grad = gemm.input_grad(grad_logits * multiplier, weight, gemm_operands, hidden.dtype, grad_amax)
     argmax = best_part * (vocab // splits) + part_argmax.gather(-1, best_part[:, None])[:, 0]
     empty = logits.new_zeros(rows, 0), labels.new_zeros(rows, 0)
     return -label_log_q, label_log_q.exp(), argmax == labels, grad, *empty
+
+
+class AmaxRead:
+    """An FP8 head that reads the gradient's amax itself, ignoring the one cross-entropy hands it
+    (`ce_grad_amax`): the trainer's pass as it was before, one more pass over each chunk's logits."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def operands(self, weight):
+        return self.head.operands(weight)
+
+    def logits(self, rows, weight, operands):
+        return self.head.logits(rows, weight, operands)
+
+    def input_grad(self, grad_logits, weight, operands, dtype, grad_amax=None):
+        return self.head.input_grad(grad_logits, weight, operands, dtype)
 
 
 def _median_ms(fn, reps: int, device: torch.device) -> float:
@@ -89,14 +108,15 @@ def probe(args: argparse.Namespace) -> dict:
 
         Float8Head.check_head(head)
         heads["fp8"] = Float8Head(emulate=device.type != "cuda")  # the CPU (a smoke run) emulates the casts
+        heads["fp8-amax-read"] = AmaxRead(heads["fp8"])
     report = {"settings": vars(args), "torch": torch.__version__, "variants": []}
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     logits_bytes = 2 * args.rows * args.vocab  # one bf16 copy of the step's logits
+    references = {}  # the trainer's pass per head and chunk (an FP8 head's scales are per chunk)
     for head_name, gemm in heads.items():
         for chunk in args.chunks:
-            reference = None  # the trainer's pass at this chunk (an FP8 head's scales are per chunk)
             for splits in (1, *args.splits):
-                if splits > 1 and args.vocab % splits:
+                if splits > 1 and (args.vocab % splits or isinstance(gemm, AmaxRead)):
                     continue
                 torch._dynamo.reset()
                 loss = WeightedHeadLoss(chunk=chunk, head=gemm, compile=args.compile)
@@ -109,8 +129,7 @@ def probe(args: argparse.Namespace) -> dict:
 
                 run()  # compiles: the first chunk, then the graph dynamic in its rows
                 out = run()
-                if reference is None:
-                    reference = out
+                reference = references.setdefault((head_name.split("-")[0], chunk), out)
                 checks = {
                     "loss_max_abs_diff": float((out.loss - reference.loss).abs().max()),
                     "grad_rel_diff": float(

@@ -166,10 +166,11 @@ def _scaled_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return (x.float() * scale).clamp(-largest, largest).to(dtype)
 
 
-def _to_float8(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _to_float8(x: Tensor, dtype: torch.dtype, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`x` cast to `dtype` with one dynamic scale (its amax onto the format's largest value), and the
-    inverse scale `torch._scaled_mm` multiplies the product by."""
-    scale = _float8_scale(x.abs().amax(), dtype)
+    inverse scale `torch._scaled_mm` multiplies the product by. `amax`, when known, spares the pass over
+    `x` that finds it."""
+    scale = _float8_scale(x.abs().amax() if amax is None else amax, dtype)
     return _scaled_cast(x, scale, dtype), scale.reciprocal()
 
 
@@ -234,10 +235,15 @@ class Float8Head:
         return self._mm(rows8, head.t(), rows_inverse, head_inverse)
 
     def input_grad(
-        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+        self,
+        grad_logits: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+        grad_amax: Tensor | None = None,
     ) -> Tensor:
         _, head_t, head_inverse = operands
-        grad8, grad_inverse = _to_float8(grad_logits, torch.float8_e5m2)
+        grad8, grad_inverse = _to_float8(grad_logits, torch.float8_e5m2, grad_amax)
         return self._mm(grad8, head_t.t(), grad_inverse, head_inverse).to(dtype)
 
 

@@ -59,9 +59,16 @@ class HeadGemm(Protocol):
         ...
 
     def input_grad(
-        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+        self,
+        grad_logits: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+        grad_amax: Tensor | None = None,
     ) -> Tensor:
-        """grad_logits [n, V] (fp32) @ weight -> [n, H] in `dtype`."""
+        """grad_logits [n, V] (fp32) @ weight -> [n, H] in `dtype`. `grad_amax`, when the caller knows it
+        without reading grad_logits (cross-entropy: `ce_grad_amax`), is grad_logits' largest magnitude, for a
+        head that scales the gradient by it."""
         ...
 
 
@@ -75,12 +82,25 @@ class PlainHead:
         return F.linear(rows, weight)
 
     def input_grad(
-        self, grad_logits: Tensor, weight: Tensor, operands: tuple[Tensor, ...], dtype: torch.dtype
+        self,
+        grad_logits: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+        grad_amax: Tensor | None = None,
     ) -> Tensor:
         return grad_logits.to(dtype) @ weight
 
 
 PLAIN_HEAD = PlainHead()
+
+
+def ce_grad_amax(label_log_q: Tensor, multiplier: float) -> Tensor:
+    """The largest |q - onehot(label)| over a chunk, times |multiplier|, from each row's q(label) instead of
+    a pass over the [n, V] gradient. A row's entries are q_label - 1 at the label and q_j elsewhere, and the
+    other q_j sum to 1 - q_label, so none exceeds it: the row's largest magnitude is 1 - q_label. In floats,
+    up to the rounding of Σq (a scale's last bits; the FP8 cast clamps)."""
+    return (1 - label_log_q.exp()).amax() * abs(multiplier)
 
 
 def chunk_rows(
@@ -103,9 +123,12 @@ def chunk_rows(
     log_q = torch.log_softmax(logits, dim=-1)
     q = log_q.exp()
     label_log_q = log_q.gather(-1, labels[:, None])[:, 0]
+    grad_amax = None
     if loss == "ce":
         row_loss = -label_log_q
         grad_logits = q - F.one_hot(labels, q.shape[-1]).to(q.dtype)
+        # known from per-row values: an FP8 head then casts the gradient in one pass over the logits
+        grad_amax = ce_grad_amax(label_log_q, multiplier)
     else:
         log_p = torch.log_softmax(F.linear(teacher, weight).float(), dim=-1)
         p = log_p.exp()
@@ -121,7 +144,7 @@ def chunk_rows(
             grad_tv = q * ((below * q).sum(-1, keepdim=True) - below)
             row_loss = lam * kl + (1 - lam) * (1 - acceptance)
             grad_logits = lam[:, None] * grad_kl + (1 - lam)[:, None] * grad_tv
-    grad = gemm.input_grad(grad_logits * multiplier, weight, gemm_operands, hidden.dtype)
+    grad = gemm.input_grad(grad_logits * multiplier, weight, gemm_operands, hidden.dtype, grad_amax)
     correct = logits.argmax(dim=-1) == labels
     if top_k > 0:
         topk_values, topk_ids = logits.topk(top_k, dim=-1, sorted=False)

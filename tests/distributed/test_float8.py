@@ -205,6 +205,25 @@ def test_fp8_head_rows_are_near_the_plain_head(kind):
     assert 1e-4 < grad_error < 0.08, grad_error
 
 
+def test_fp8_heads_gradient_cast_with_the_known_amax_is_the_read_amaxs():
+    """Cross-entropy hands the FP8 head the gradient's amax (train/loss.py::ce_grad_amax) instead of a pass
+    over the gradient: the rows' gradient matches the head that reads the amax itself to float rounding
+    (the same e5m2 bytes, the scale equal to its last bits)."""
+    hidden, head, labels, _ = _head_case(rows=96)
+    gemm = Float8Head(emulate=True)
+
+    class AmaxRead:  # the same head, ignoring the known amax
+        operands, logits = gemm.operands, gemm.logits
+
+        def input_grad(self, grad_logits, weight, operands, dtype, grad_amax=None):
+            return gemm.input_grad(grad_logits, weight, operands, dtype)
+
+    known = WeightedHeadLoss(chunk=32, head=gemm).rows(hidden, head, labels)
+    read = WeightedHeadLoss(chunk=32, head=AmaxRead()).rows(hidden, head, labels)
+    torch.testing.assert_close(known.grad, read.grad, rtol=1e-5, atol=0)
+    assert torch.equal(known.loss, read.loss)
+
+
 def test_fp8_head_is_cast_once_and_again_only_after_it_changes():
     hidden, head, labels, _ = _head_case()
     gemm = Float8Head(emulate=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashdraft.train.loss import WeightedHeadLoss, dpace_weights, selector_weight
+from flashdraft.train.loss import WeightedHeadLoss, ce_grad_amax, dpace_weights, selector_weight
 from flashdraft.train.objective import Objective
 
 from .helpers import MASK_ID, tiny_pair, token_batch
@@ -133,6 +133,28 @@ def test_chunked_loss_and_gradient_equal_autograd(kind, multiplier):
     assert torch.allclose(total, ref, atol=1e-5)
     assert torch.allclose(g_fused, hidden.grad, atol=1e-5)
     assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 0.7, -2.0])
+def test_the_cross_entropy_gradients_amax_is_one_less_the_smallest_label_probability(multiplier):
+    """ce_grad_amax (1 - q_label's largest) against the amax of the whole (q - onehot) * multiplier: random
+    rows, rows whose argmax is the label with q_label near 1, rows that tie everywhere, and rows where one
+    other token takes nearly all the mass (its q_j within rounding of 1 - q_label)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 40, generator=g) * 3
+    labels = torch.randint(0, 40, (64,), generator=g)
+    logits[:16].scatter_(1, labels[:16, None], 20.0)  # argmax is the label, q_label near 1
+    logits[16:24] = 0.0  # every logit ties: argmax is token 0
+    labels[16:20] = 0  # ... which is the label in half of them
+    logits[24:32, 5] = 15.0  # one other token takes nearly all the mass
+    labels[24:32] = 6
+    for rows in (slice(None), slice(0, 16), slice(16, 24), slice(24, 32)):
+        z, y = logits[rows] * multiplier, labels[rows]
+        log_q = torch.log_softmax(z, dim=-1)
+        grad = (log_q.exp() - F.one_hot(y, 40).float()) * multiplier
+        label_log_q = log_q.gather(-1, y[:, None])[:, 0]
+        got = ce_grad_amax(label_log_q, multiplier)
+        torch.testing.assert_close(got, grad.abs().amax(), rtol=1e-6, atol=0)
 
 
 def test_kl_and_lk_need_the_target_distribution():
