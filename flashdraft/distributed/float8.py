@@ -83,43 +83,100 @@ def float8_config(recipe: str, *, pad_inner_dim: bool = True, emulate: bool = Fa
 
 
 def _float8_gemm(
-    x: Tensor, weights: list[Tensor], bias: Tensor | None, *, layer: nn.Module, apply, cast_weight=None
+    x: Tensor,
+    weights: list[Tensor],
+    bias: Tensor | None,
+    *,
+    layer: nn.Module,
+    apply,
+    cast_weight=None,
+    cast_input=None,
 ) -> Tensor:
-    """F.linear(x, cat(weights), bias) through torchao's FP8 matmul with `layer`'s casts (Float8Linear.forward
-    for a weight that is not the layer's own: the concatenation of several layers' weights). `cast_weight`
-    (a tensorwise recipe's, `_fused_weight_cast`) casts the concatenation here, once for the forward and the
-    backward's input gradient."""
+    """F.linear(x, cat(weights), bias) through torchao's FP8 matmul with `layer`'s casts (Float8Linear.forward,
+    also for a weight that is not the layer's own: the concatenation of several layers' weights). Under a
+    tensorwise recipe `cast_weight` (`_fused_weight_cast`) and `cast_input` (`_input_cast`) cast the weight and
+    the input here, each once for both GEMMs that read it."""
     if torch.is_autocast_enabled():
         x = x.to(torch.get_autocast_gpu_dtype())
     operand = (weights[0] if len(weights) == 1 else torch.cat(weights)).t()
-    if len(weights) > 1 and cast_weight is not None:
+    if cast_weight is not None:
         operand = cast_weight(weights, operand, layer)
+    if cast_input is not None:
+        x = cast_input(x, layer)
     out = apply(x, operand, layer.linear_mm_config, layer.config)
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def _fused_weight_cast(config):
-    """The cast of a concatenated weight for `_float8_gemm`, or None where the recipe does not cast the
-    weight alike for both GEMMs that read it (the forward's, the input gradient's): one dynamic scale for
-    the whole tensor, to one dtype, as the tensorwise recipe does.
+def _float8_forward(layer: nn.Module, x: Tensor) -> Tensor:
+    """A converted layer's forward: its own weight through `_float8_gemm`."""
+    return layer.fused_gemm(x, [layer.weight], layer.bias)
 
-    torchao would take the amax over the concatenation itself, which compiled to one reduction kernel ~13x
-    slower than a read of the weight (0.65 ms a layer on the H200, docs/fp8.md), and again in the backward.
-    Here the amax is the largest of each weight's own (the same value, so the same scale and the same
-    float8 bits), and the cast tensor serves both GEMMs: torchao's matmul uses a float8 argument as it is,
-    and its constructor passes the gradient through to the weights."""
+
+def _tensorwise_alike(casts, power_of_2: bool):
+    """The one cast that `casts` (torchao's CastConfigs of one operand, one per GEMM that reads it) all
+    make, as (dtype, power_of_2), or None where they differ: one dynamic scale for the whole tensor, to one
+    dtype, as the tensorwise recipe does. Rowwise scales along a different axis per GEMM."""
     from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
-    from torchao.float8.float8_utils import amax_to_scale
 
-    casts = (config.cast_config_weight, config.cast_config_weight_for_grad_input)
-    alike = casts[0].target_dtype == casts[1].target_dtype and all(
+    alike = all(c.target_dtype == casts[0].target_dtype for c in casts) and all(
         c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
         for c in casts
     )
-    if not alike:
+    return (casts[0].target_dtype, power_of_2) if alike else None
+
+
+def _input_cast(config):
+    """The input's cast for `_float8_gemm`, or None where the recipe does not cast it alike for the forward's
+    GEMM and the weight gradient's (`_tensorwise_alike`).
+
+    torchao saves the bf16 input and, in the backward, takes its amax and casts it again for the weight
+    gradient: the same amax, so the same scale and the same float8 bits as the forward's. Cast here, the
+    float8 input is what torchao's matmul saves (it uses a float8 argument as it is, and the constructor
+    passes the gradient through): the backward reads one byte an element where it read the bf16 input
+    twice, and the saved input takes half the memory."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    cast = _tensorwise_alike(
+        (config.cast_config_input, config.cast_config_input_for_grad_weight),
+        config.round_scales_to_power_of_2,
+    )
+    if cast is None:
         return None
-    dtype, power_of_2 = casts[0].target_dtype, config.round_scales_to_power_of_2
+    dtype, power_of_2 = cast
+
+    def cast_input(x: Tensor, layer: nn.Module) -> Tensor:
+        return hp_tensor_to_float8_dynamic(
+            x,
+            dtype,
+            layer.linear_mm_config,
+            gemm_input_role=GemmInputRole.INPUT,
+            round_scales_to_power_of_2=power_of_2,
+        )
+
+    return cast_input
+
+
+def _fused_weight_cast(config):
+    """The cast of a weight or a concatenation of weights for `_float8_gemm`, or None where the recipe does
+    not cast the weight alike for both GEMMs that read it (the forward's, the input gradient's:
+    `_tensorwise_alike`).
+
+    torchao would take the amax over a concatenation itself, which compiled to one reduction kernel ~13x
+    slower than a read of the weight (0.65 ms a layer on the H200, docs/fp8.md), and cast every weight again
+    in the backward. Here the amax is the largest of each weight's own (the same value, so the same scale and
+    the same float8 bits), and the cast tensor serves both GEMMs: torchao's matmul uses a float8 argument as
+    it is, and its constructor passes the gradient through to the weights."""
+    from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import amax_to_scale
+
+    cast = _tensorwise_alike(
+        (config.cast_config_weight, config.cast_config_weight_for_grad_input),
+        config.round_scales_to_power_of_2,
+    )
+    if cast is None:
+        return None
+    dtype, power_of_2 = cast
 
     def cast(weights: list[Tensor], weight_t: Tensor, layer: nn.Module) -> Tensor:
         with torch.no_grad():
@@ -147,12 +204,15 @@ def convert_to_float8(
         return False
 
     float8.convert_to_float8_training(drafter, module_filter_fn=wanted, config=config)
-    cast_weight = _fused_weight_cast(config)
+    cast_weight, cast_input = _fused_weight_cast(config), _input_cast(config)
     for module in drafter.modules():
         if isinstance(module, float8_linear):
             module.fused_gemm = functools.partial(
-                _float8_gemm, layer=module, apply=matmul.apply, cast_weight=cast_weight
+                _float8_gemm, layer=module, apply=matmul.apply, cast_weight=cast_weight, cast_input=cast_input
             )
+            # the layer's own call takes the same path, so that its casts are made once too (torchao's
+            # forward would cast its input and weight again in the backward)
+            module.forward = functools.partial(_float8_forward, module)
     return converted
 
 

@@ -105,19 +105,23 @@ def test_the_fused_projections_take_the_fp8_gemm(qwen3_target, recipe):
     assert 1e-4 < error < 0.1, error  # e4m3 keeps 3 mantissa bits: a few percent, never exact
 
 
+@pytest.mark.parametrize("layers", ["qkv", "o"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_the_fused_weight_cast_is_torchaos_own_bit_for_bit_and_made_once(qwen3_target, recipe, monkeypatch):
-    """Tensorwise, the q/k/v concatenation is cast by flashdraft (its amax the largest of each weight's own)
-    once, for the forward and the input gradient: output and every gradient are torchao's cast of the
-    concatenation's, bit for bit, and torchao casts no weight itself. Rowwise it is left to torchao."""
+def test_the_weight_and_input_casts_are_torchaos_own_bit_for_bit_and_made_once(
+    qwen3_target, recipe, layers, monkeypatch
+):
+    """Tensorwise, flashdraft casts the weight (q/k/v: their concatenation, its amax the largest of each
+    weight's own; o: the layer's own call) and the input once each, for the forward and the backward's
+    GEMMs: output and every gradient are torchao's, bit for bit, and torchao casts only the output's
+    gradient itself. Rowwise every cast is left to torchao."""
     from torchao.float8 import float8_linear as torchao_linear
 
     _float8_linear()
     drafter, _ = tiny_pair(qwen3_target)
     convert_to_float8(drafter, recipe, emulate=True)
     attn = drafter.layers[0].self_attn
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    x = torch.randn(2, 32, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj) if layers == "qkv" else (attn.o_proj,)
+    x = torch.randn(2, 32, projections[0].in_features, generator=torch.Generator().manual_seed(1))
     cast, roles = torchao_linear.hp_tensor_to_float8_dynamic, []
     monkeypatch.setattr(
         torchao_linear,
@@ -128,9 +132,9 @@ def test_the_fused_weight_cast_is_torchaos_own_bit_for_bit_and_made_once(qwen3_t
     def run(fused: bool) -> list[torch.Tensor]:
         roles.clear()
         inputs = x.clone().requires_grad_()
-        layer = attn.q_proj
+        layer = projections[0]
         if fused:
-            out = fused_linear(inputs, projections)
+            out = fused_linear(inputs, projections) if len(projections) > 1 else layer(inputs)
         else:  # torchao's matmul on the concatenation, as before the cast moved here
             weight = torch.cat([p.weight for p in projections])
             out = torchao_linear.matmul_with_hp_or_float8_args.apply(
@@ -147,8 +151,9 @@ def test_the_fused_weight_cast_is_torchaos_own_bit_for_bit_and_made_once(qwen3_t
     fused = run(True)
     for got, want in zip(fused, reference, strict=True):
         assert torch.equal(got, want)
-    assert torchao_roles.count("WEIGHT") == 2  # torchao's path: the forward's cast and the backward's
-    assert roles.count("WEIGHT") == (0 if recipe == "tensorwise" else 2)
+    # torchao's path: the forward's casts and the backward's
+    assert sorted(torchao_roles) == ["GRAD_OUTPUT"] * 2 + ["INPUT"] * 2 + ["WEIGHT"] * 2
+    assert sorted(roles) == (["GRAD_OUTPUT"] * 2 if recipe == "tensorwise" else sorted(torchao_roles))
 
 
 def test_an_fp8_objective_step_is_near_the_plain_one(qwen3_target):
@@ -280,18 +285,26 @@ def test_fp8_head_refusals_name_the_field():
     assert "\n" not in str(caught.value) and "train.fp8_head=false" in str(caught.value)
 
 
-def test_the_fused_weight_cast_compiles_into_one_graph(qwen3_target):
-    """The cast made in `_float8_gemm` traces whole (fullgraph) and gives the eager cast's output."""
+def test_the_fp8_casts_compile_into_one_graph(qwen3_target):
+    """The casts made in `_float8_gemm`, for q/k/v's concatenation and through a converted layer's own call
+    (the MLP's down projection), trace whole (fullgraph) and give the eager output and input gradient."""
     _float8_linear()
     torch._dynamo.reset()
     drafter, _ = tiny_pair(qwen3_target)
     convert_to_float8(drafter, "tensorwise", emulate=True)
-    attn = drafter.layers[0].self_attn
+    layer = drafter.layers[0]
+    attn = layer.self_attn
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(2, 32, attn.q_proj.in_features, generator=torch.Generator().manual_seed(1))
 
-    def qkv(inputs: torch.Tensor) -> torch.Tensor:
-        return fused_linear(inputs, projections)
+    def qkv_and_mlp(inputs: torch.Tensor) -> torch.Tensor:
+        return fused_linear(inputs, projections).sum() + layer.mlp(inputs).square().sum()
 
-    compiled = torch.compile(qkv, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x), qkv(x))
+    compiled = torch.compile(qkv_and_mlp, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (compiled, qkv_and_mlp):
+        inputs = x.clone().requires_grad_()
+        out = fn(inputs)
+        out.backward()
+        results.append((out.detach(), inputs.grad))
+    torch.testing.assert_close(results[0], results[1])
