@@ -137,13 +137,13 @@ def _input_cast(config):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    cast = _tensorwise_alike(
+    alike = _tensorwise_alike(
         (config.cast_config_input, config.cast_config_input_for_grad_weight),
         config.round_scales_to_power_of_2,
     )
-    if cast is None:
+    if alike is None:
         return None
-    dtype, power_of_2 = cast
+    dtype, power_of_2 = alike
 
     def cast_input(x: Tensor, layer: nn.Module) -> Tensor:
         return hp_tensor_to_float8_dynamic(
@@ -170,13 +170,13 @@ def _fused_weight_cast(config):
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale
 
-    cast = _tensorwise_alike(
+    alike = _tensorwise_alike(
         (config.cast_config_weight, config.cast_config_weight_for_grad_input),
         config.round_scales_to_power_of_2,
     )
-    if cast is None:
+    if alike is None:
         return None
-    dtype, power_of_2 = cast
+    dtype, power_of_2 = alike
 
     def cast(weights: list[Tensor], weight_t: Tensor, layer: nn.Module) -> Tensor:
         with torch.no_grad():
