@@ -113,8 +113,9 @@ def probe(args: argparse.Namespace) -> dict:
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     logits_bytes = 2 * args.rows * args.vocab  # one bf16 copy of the step's logits
     references = {}  # the trainer's pass per head and chunk (an FP8 head's scales are per chunk)
-    for head_name, gemm in heads.items():
-        for chunk in args.chunks:
+    # chunk by chunk, every head and variant at each: a call cut short keeps whole comparisons
+    for chunk in args.chunks:
+        for head_name, gemm in heads.items():
             for splits in (1, *args.splits):
                 if splits > 1 and (args.vocab % splits or isinstance(gemm, AmaxRead)):
                     continue
@@ -172,7 +173,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=7680, help="shape (a): 2 x 256 blocks x 15 positions")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument(
+        "--chunks", type=int, nargs="+", default=[2048, 1024, 4096], help="the trainer's (2048) first"
+    )
     parser.add_argument(
         "--splits", type=int, nargs="*", default=[8], help="vocabulary parts (1: the trainer's)"
     )
