@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from flashdraft.bench.kernels import top_kernels
+from flashdraft.bench.train_bench import median_ms
+from flashdraft.distributed.float8 import Float8Head
 from flashdraft.durable import atomic_write_json
 from flashdraft.train.loss import WeightedHeadLoss, ce_grad_amax
 
@@ -60,39 +60,12 @@ def split_chunk_rows(*chunk_args, splits: int):
     return -label_log_q, label_log_q.exp(), argmax == labels, grad, *empty
 
 
-class AmaxRead:
-    """An FP8 head that reads the gradient's amax itself, ignoring the one cross-entropy hands it
+class AmaxRead(Float8Head):
+    """The FP8 head reading the gradient's amax itself, ignoring the one cross-entropy hands it
     (`ce_grad_amax`): the trainer's pass as it was before, one more pass over each chunk's logits."""
 
-    def __init__(self, head):
-        self.head = head
-
-    def operands(self, weight):
-        return self.head.operands(weight)
-
-    def logits(self, rows, weight, operands):
-        return self.head.logits(rows, weight, operands)
-
     def input_grad(self, grad_logits, weight, operands, dtype, grad_amax=None):
-        return self.head.input_grad(grad_logits, weight, operands, dtype)
-
-
-def _median_ms(fn, reps: int, device: torch.device) -> float:
-    """Median ms of `fn()` over `reps` calls: CUDA events on a GPU, the wall clock on the CPU."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+        return super().input_grad(grad_logits, weight, operands, dtype)
 
 
 def probe(args: argparse.Namespace) -> dict:
@@ -104,11 +77,9 @@ def probe(args: argparse.Namespace) -> dict:
     labels = torch.randint(0, args.vocab, (args.rows,), generator=g, device=device)
     heads = {"bf16": None}
     if args.fp8:
-        from flashdraft.distributed.float8 import Float8Head
-
         Float8Head.check_head(head)
-        heads["fp8"] = Float8Head(emulate=device.type != "cuda")  # the CPU (a smoke run) emulates the casts
-        heads["fp8-amax-read"] = AmaxRead(heads["fp8"])
+        emulate = device.type != "cuda"  # the CPU (a smoke run) emulates the casts
+        heads["fp8"], heads["fp8-amax-read"] = Float8Head(emulate=emulate), AmaxRead(emulate=emulate)
     report = {"settings": vars(args), "torch": torch.__version__, "variants": []}
     report["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     logits_bytes = 2 * args.rows * args.vocab  # one bf16 copy of the step's logits
@@ -142,7 +113,7 @@ def probe(args: argparse.Namespace) -> dict:
                     torch.cuda.synchronize(device)
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
-                ms = _median_ms(run, args.reps, device)
+                ms = median_ms(run, args.reps, device)
                 row = {
                     "head": head_name,
                     "chunk": chunk,

@@ -415,9 +415,17 @@ def _listed_kernels(run, device: torch.device, count: int) -> tuple[list[dict], 
     return rows[:count], round(total_us / 1000, 2)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    """Median device time of `fn()` over `repeats` calls, after one warm-up call."""
+def median_ms(fn, repeats: int, device: torch.device | None = None) -> float:
+    """Median time of `fn()` over `repeats` calls, after one warm-up call: device time (CUDA events) on a GPU,
+    the default; the wall clock for a CPU `device` (the probes' smoke runs)."""
     fn()
+    if device is not None and device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+        return statistics.median(times)
     timer = Timer()
     for _ in range(repeats):
         with timer.span("call"):
@@ -433,7 +441,7 @@ def target_gemm_floor_ms(target: TargetModel, tokens: int, repeats: int = 20) ->
     for module in target.layers[0].modules():
         if isinstance(module, torch.nn.Linear):
             x = torch.randn(tokens, module.in_features, device="cuda", dtype=target.dtype, generator=g)
-            per_layer += _median_ms(lambda x=x, w=module.weight: torch.nn.functional.linear(x, w), repeats)
+            per_layer += median_ms(lambda x=x, w=module.weight: torch.nn.functional.linear(x, w), repeats)
     return per_layer * (max(target.layer_ids) + 1)
 
 
@@ -445,7 +453,7 @@ def time_target(target: TargetModel, shape_names: list[str], compile_target_laye
     }
     report: dict = {name: {} for name in shape_names}
     for name, ids in batches.items():
-        report[name]["eager_ms"] = round(_median_ms(lambda ids=ids: target.features(ids), 10), 2)
+        report[name]["eager_ms"] = round(median_ms(lambda ids=ids: target.features(ids), 10), 2)
         report[name]["gemm_floor_ms"] = round(target_gemm_floor_ms(target, ids.numel()), 2)
     if compile_target_layers:
         started = time.perf_counter()
@@ -455,7 +463,7 @@ def time_target(target: TargetModel, shape_names: list[str], compile_target_laye
             if name == shape_names[0]:
                 torch.cuda.synchronize()
                 report["compile_s"] = round(time.perf_counter() - started, 1)
-            report[name]["compiled_ms"] = round(_median_ms(lambda ids=ids: target.features(ids), 10), 2)
+            report[name]["compiled_ms"] = round(median_ms(lambda ids=ids: target.features(ids), 10), 2)
         report["compiled"] = compiled
     for name in shape_names:
         row = report[name]

@@ -112,22 +112,22 @@ def _float8_forward(layer: nn.Module, x: Tensor) -> Tensor:
     return layer.fused_gemm(x, [layer.weight], layer.bias)
 
 
-def _tensorwise_alike(casts, power_of_2: bool):
-    """The one cast that `casts` (torchao's CastConfigs of one operand, one per GEMM that reads it) all
-    make, as (dtype, power_of_2), or None where they differ: one dynamic scale for the whole tensor, to one
-    dtype, as the tensorwise recipe does. Rowwise scales along a different axis per GEMM."""
+def _tensorwise_dtype(*casts) -> torch.dtype | None:
+    """The one float8 dtype that `casts` (torchao's CastConfigs of one operand, one per GEMM that reads it)
+    all cast to with one dynamic scale for the whole tensor, as the tensorwise recipe does; None where they
+    differ (rowwise scales along a different axis per GEMM)."""
     from torchao.float8.config import ScalingGranularity, ScalingType
 
     alike = all(c.target_dtype == casts[0].target_dtype for c in casts) and all(
         c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
         for c in casts
     )
-    return (casts[0].target_dtype, power_of_2) if alike else None
+    return casts[0].target_dtype if alike else None
 
 
 def _input_cast(config):
     """The input's cast for `_float8_gemm`, or None where the recipe does not cast it alike for the forward's
-    GEMM and the weight gradient's (`_tensorwise_alike`).
+    GEMM and the weight gradient's (`_tensorwise_dtype`).
 
     torchao saves the bf16 input and, in the backward, takes its amax and casts it again for the weight
     gradient: the same amax, so the same scale and the same float8 bits as the forward's. Cast here, the
@@ -137,13 +137,10 @@ def _input_cast(config):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    alike = _tensorwise_alike(
-        (config.cast_config_input, config.cast_config_input_for_grad_weight),
-        config.round_scales_to_power_of_2,
-    )
-    if alike is None:
+    dtype = _tensorwise_dtype(config.cast_config_input, config.cast_config_input_for_grad_weight)
+    if dtype is None:
         return None
-    dtype, power_of_2 = alike
+    power_of_2 = config.round_scales_to_power_of_2
 
     def cast_input(x: Tensor, layer: nn.Module) -> Tensor:
         return hp_tensor_to_float8_dynamic(
@@ -160,7 +157,7 @@ def _input_cast(config):
 def _fused_weight_cast(config):
     """The cast of a weight or a concatenation of weights for `_float8_gemm`, or None where the recipe does
     not cast the weight alike for both GEMMs that read it (the forward's, the input gradient's:
-    `_tensorwise_alike`).
+    `_tensorwise_dtype`).
 
     torchao would take the amax over a concatenation itself, which compiled to one reduction kernel ~13x
     slower than a read of the weight (0.65 ms a layer on the H200, docs/fp8.md), and cast every weight again
@@ -170,13 +167,10 @@ def _fused_weight_cast(config):
     from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
     from torchao.float8.float8_utils import amax_to_scale
 
-    alike = _tensorwise_alike(
-        (config.cast_config_weight, config.cast_config_weight_for_grad_input),
-        config.round_scales_to_power_of_2,
-    )
-    if alike is None:
+    dtype = _tensorwise_dtype(config.cast_config_weight, config.cast_config_weight_for_grad_input)
+    if dtype is None:
         return None
-    dtype, power_of_2 = alike
+    power_of_2 = config.round_scales_to_power_of_2
 
     def cast(weights: list[Tensor], weight_t: Tensor, layer: nn.Module) -> Tensor:
         with torch.no_grad():
