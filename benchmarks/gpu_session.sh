@@ -94,7 +94,9 @@
 #          (tests/run/test_launch_cycle_gpu.py)
 #   train-vs: bench train --shape a here and in the older checkout .wt/OLD (OLD: default a3e2a80; made here with
 #          `mkdir -p .wt/$OLD && git archive $OLD | tar -x -C .wt/$OLD`, carried [".gpu", ".wt"]), REPEATS (default 2)
-#          times each, interleaved (new, old, new, old: a drift of the machine falls on both) -> $OUT/vs_*.json
+#          times each, interleaved (new, old, new, old: a drift of the machine falls on both) -> $OUT/vs_*.json;
+#          VS_FLAGS adds bench train flags to both (VS_FLAGS="--precision fp8 --fp8-head only" with OLD=a7b7adc
+#          times stop 58's two FP8 passes against the tree before them; carry .whl too), VS_S bounds each run (150 s)
 #   ckpt: issue 34's checkpoint figure: bench train under torchrun on 1 GPU, shape (a), the 5-layer 1.05B drafter
 #          on the 8B-shaped target, checkpointing every CKPT_EVERY (default 150) of CKPT_STEPS (default 450)
 #          steps: a checkpointing step's time against a plain step's, the background write's own seconds and
@@ -481,12 +483,17 @@ print('NVML:', gpu_usage())
   train-vs)
     old=${OLD:-a3e2a80}
     [ -d ".wt/$old" ] || { echo "no .wt/$old: make it with git archive and carry .wt"; exit 1; }
+    # VS_FLAGS="--precision fp8 --fp8-head only": both trees' FP8 + head step (torchao from .whl)
+    case "${VS_FLAGS:-}" in *fp8*)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
+      export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+    esac
     for i in $(seq "${REPEATS:-2}"); do
       for tree in . ".wt/$old"; do
         name=vs_$([ "$tree" = . ] && echo "$FLASHDRAFT_GIT_COMMIT" || echo "$old")_$i
         (cd "$tree" && FLASHDRAFT_GIT_COMMIT=$([ "$tree" = . ] && echo "$FLASHDRAFT_GIT_COMMIT" || echo "$old") \
-          PYTHONPATH=$PWD:$OLDPWD/.gpu/pydeps timeout 150 python3 -m flashdraft bench train --shape a --steps 30 \
-          --warmup 5 --out "$out/$name.json" > "$out/$name.log" 2>&1)
+          PYTHONPATH=$PWD:$OLDPWD/.gpu/pydeps:/tmp/site timeout ${VS_S:-150} python3 -m flashdraft bench train --shape a \
+          --steps 30 --warmup 5 ${VS_FLAGS:-} --out "$out/$name.json" > "$out/$name.log" 2>&1)
         echo "$name: $(grep -o '"samples_per_s_end_to_end": [0-9.]*' "$out/$name.json")"
       done
     done ;;
