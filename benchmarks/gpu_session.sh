@@ -485,8 +485,7 @@ print('NVML:', gpu_usage())
     [ -d ".wt/$old" ] || { echo "no .wt/$old: make it with git archive and carry .wt"; exit 1; }
     # VS_FLAGS="--precision fp8 --fp8-head only": both trees' FP8 + head step (torchao from .whl)
     case "${VS_FLAGS:-}" in *fp8*)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
-      export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
     esac
     for i in $(seq "${REPEATS:-2}"); do
       for tree in . ".wt/$old"; do
