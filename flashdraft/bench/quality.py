@@ -109,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=positive_int, default=2000, help="training prompts")
     p.add_argument("--eval-prompts", type=positive_int, default=64, help="held-out prompts")
     p.add_argument(
+        "--select-prompts",
+        type=non_negative_int,
+        default=16,
+        help="other held-out prompts, decoded at every curve point to choose each variant's checkpoint "
+        "(`selected`), which the --eval-prompts then score; 0: no choice",
+    )
+    p.add_argument(
         "--answer-tokens", type=positive_int, default=1024, help="longest regenerated training answer"
     )
     p.add_argument(
@@ -277,6 +284,11 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
                 raise FlashdraftError(
                     f"--reuse-data: {Path(args.work) / 'data' / split} holds no prepared shards"
                 )
+        if args.select_prompts and not select_prompts_file(Path(args.work)).is_file():
+            raise FlashdraftError(
+                f"--reuse-data: {select_prompts_file(Path(args.work))} is missing (prepared with "
+                "--select-prompts 0): give --select-prompts 0, or prepare anew"
+            )
     target_config = load_target_config(args.target)
     resolve_mask_token_id(args.target, target_config, args.mask_token_id, "--mask-token-id")
     tokenizer = load_target_tokenizer(args.target, required=True)
@@ -297,6 +309,12 @@ def regenerate(inputs: Path, out: Path, args: argparse.Namespace, max_new_tokens
         engine=args.engine,
     )
     return prepare([str(inputs)], args.target, str(out), settings, command=f"{PRODUCER} (prepare {out.name})")
+
+
+def select_prompts_file(work: Path) -> Path:
+    """The selection prompts (`--select-prompts`): held out from training, none of them among the scored
+    held-out prompts (WORK/prompts/eval.jsonl)."""
+    return work / "prompts" / "select.jsonl"
 
 
 def variant_dir(work: Path, name: str) -> Path:
@@ -412,10 +430,13 @@ def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict
         args.eval_prompts,
         prior_path=work / "prompts" / "prior.jsonl" if warm else None,
         prior=args.prompts if warm else 0,
+        select_path=select_prompts_file(work) if args.select_prompts else None,
+        select=args.select_prompts,
     )
     console.print(
         f"[bold]1.[/] {prompts['train_prompts']} training prompts from {prompts['train_modules']} stdlib "
         f"modules, {prompts['eval_prompts']} held out from {', '.join(prompts['eval_modules'])}"
+        + (f" and {args.select_prompts} more that choose the checkpoint" if args.select_prompts else "")
         + (f"; {prompts['prior_prompts']} others for the prior drafter" if warm else "")
     )
     data = {}
@@ -510,12 +531,18 @@ def evaluate_curve(
     real on the held-out prompts, the last also through z-lab's loop; the curve goes into `record`.
     The points before the last decode on eval's default loop (the fast engine on a GPU: the same greedy
     tokens at ~30x the eager loop's rate on SmolLM2-135M), the last on the eager loop beside z-lab's,
-    whose steps it compares one by one; plain decoding is decoded once per loop (`plain_runs`)."""
+    whose steps it compares one by one; plain decoding is decoded once per loop (`plain_runs`).
+
+    With selection prompts (`--select-prompts`), every point is also decoded on them (`select_tau`), and
+    `record["selected"]` is the point they rank first: the checkpoint a user who keeps the best one on
+    prompts of their own would ship, scored on prompts that took no part in choosing it."""
     started = time.perf_counter()
     reports = variant_dir(work, name) / "eval"
     shutil.rmtree(reports, ignore_errors=True)
     curve = record["curve"]
     plain_runs = {} if plain_runs is None else plain_runs  # greedy plain decoding: once per loop
+    select = select_prompts_file(work) if args.select_prompts else None
+    select_plain_runs: dict = {}  # the selection prompts' own plain decoding, once
     for i, (step, minutes, drafter) in enumerate(checkpoints):
         last = i == len(checkpoints) - 1
         report = run_eval(
@@ -534,14 +561,36 @@ def evaluate_curve(
         point = curve_point(report, step)
         if minutes is not None:
             point["gpu_minutes"] = minutes
+        if select is not None:
+            chosen_by = run_eval(
+                args.target,
+                str(drafter),
+                str(select),
+                EvalSettings(sampling=Sampling(max_new_tokens=args.max_new_tokens)),
+                device=args.device,
+                out=str(reports / f"select-step-{step:08d}.json"),
+                console=Console(quiet=True),
+                plain_runs=select_plain_runs,
+            )
+            point["select_tau"] = chosen_by["tau"]
         curve.append(point)
         record["final"] = curve[-1]
+        record["selected"] = selected_point(curve)
         if not last:
             on_progress(record)
     record["timings"]["eval_s"] = round(time.perf_counter() - started, 1)
     record["complete"] = True
     on_progress(record)
     return record
+
+
+def selected_point(curve: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The curve point with the highest τ on the selection prompts (the earliest of ties: less training for
+    the same), or None without selection prompts."""
+    ranked = [
+        p for p in curve if isinstance(p.get("select_tau"), (int, float)) and math.isfinite(p["select_tau"])
+    ]
+    return max(ranked, key=lambda p: p["select_tau"]) if ranked else None
 
 
 def initial_race_drafter(args: argparse.Namespace, work: Path) -> Path:
@@ -651,6 +700,19 @@ def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str
     if "zlab_tau" in a and "zlab_tau" in b:
         summary["zlab_tau"] = {"flashdraft": a["zlab_tau"], "specforge": b["zlab_tau"]}
         summary["zlab_tau_ratio"] = a["zlab_tau"] / b["zlab_tau"]
+    chosen = {side: variants[side].get("selected") for side in ("flashdraft", "specforge")}
+    if all(chosen.values()):
+        # each side's checkpoint as the same rule picks it on the selection prompts, scored on the held-out
+        summary["selected"] = {
+            "tau": {side: point["tau"] for side, point in chosen.items()},
+            "tau_ratio": chosen["flashdraft"]["tau"] / chosen["specforge"]["tau"],
+            "select_tau": {side: point["select_tau"] for side, point in chosen.items()},
+            "step": {side: point["step"] for side, point in chosen.items()},
+            "gpu_minutes": {side: point["gpu_minutes"] for side, point in chosen.items()},
+            "acceptance_by_position": {
+                side: point["acceptance_by_position"] for side, point in chosen.items()
+            },
+        }
     return summary
 
 
@@ -725,18 +787,27 @@ def warm_start_summary(variants: dict[str, dict[str, Any]], prior_minutes: float
 
 def curve_table(title: str, curve: list[dict[str, Any]]) -> Table:
     table = Table(title=title)
-    for column in ("step", "GPU min", "τ real", "τ simulated", "τ z-lab", "speedup", "acceptance 1..B-1"):
+    chosen = selected_point(curve)
+    columns = ["step", "GPU min", "τ real", "τ simulated", "τ z-lab", "speedup", "acceptance 1..B-1"]
+    if chosen is not None:
+        columns.insert(3, "τ selection")
+    for column in columns:
         table.add_column(column, justify="right")
     for p in curve:
-        table.add_row(
-            str(p["step"]),
+        row = [
+            str(p["step"]) + (" *" if p is chosen else ""),
             "?" if p["gpu_minutes"] is None else f"{p['gpu_minutes']:.2f}",
             f"{p['tau']:.3f}",
             "-" if p["simulated_tau"] is None else f"{p['simulated_tau']:.3f}",
             f"{p['zlab_tau']:.3f}" if "zlab_tau" in p else "-",
             "-" if p["speedup"] is None else f"{p['speedup']:.2f}x",
             " ".join(f"{r:.2f}" for r in p["acceptance_by_position"]),
-        )
+        ]
+        if chosen is not None:
+            row.insert(3, f"{p['select_tau']:.3f}" if "select_tau" in p else "-")
+        table.add_row(*row)
+    if chosen is not None:
+        table.caption = "*: the checkpoint the selection prompts choose"
     return table
 
 
@@ -916,6 +987,13 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         if "zlab_tau" in race:
             z = race["zlab_tau"]
             line += f"; z-lab's loop {z['flashdraft']:.3f} vs {z['specforge']:.3f} ({race['zlab_tau_ratio']:.2f}x)"
+        if "selected" in race:
+            c = race["selected"]
+            line += (
+                f"; the checkpoints the selection prompts choose (minutes {c['gpu_minutes']['flashdraft']:.2f} "
+                f"and {c['gpu_minutes']['specforge']:.2f}): {c['tau']['flashdraft']:.3f} vs "
+                f"{c['tau']['specforge']:.3f} ({c['tau_ratio']:.2f}x)"
+            )
         console.print(line, highlight=False)
     write_result(out, result)
     try:

@@ -34,6 +34,7 @@ SHARED_FLAGS = (
     "seed",
     "eval_every",
     "max_new_tokens",
+    "select_prompts",
 )
 
 
@@ -56,6 +57,9 @@ def race_inputs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         split: hashlib.sha256((work / "data" / split / "manifest.json").read_bytes()).hexdigest()
         for split in ("train", "eval")
     }
+    select = work / "prompts" / "select.jsonl"  # both sides' checkpoints are chosen on the same prompts
+    if flags.get("select_prompts") and select.is_file():
+        data["select_prompts"] = hashlib.sha256(select.read_bytes()).hexdigest()
     return {"settings": {flag: flags[flag] for flag in SHARED_FLAGS}, "data_manifest_sha256": data}
 
 
@@ -85,6 +89,11 @@ def earlier_side(path: Path, wanted_side: str, inputs: dict[str, Any]) -> dict[s
                 f"there, {value!r} here"
             )
     for split, digest in inputs["data_manifest_sha256"].items():
+        if split == "select_prompts" and their_data.get(split) != digest:
+            raise FlashdraftError(
+                f"{where}: another race: its selection prompts are not these (WORK/prompts/select.jsonl "
+                "differs; carry WORK/prompts of the earlier side too)"
+            )
         if their_data.get(split) != digest:
             raise FlashdraftError(
                 f"{where}: another race: its {split} shards are not these (WORK/data/{split}/manifest.json "

@@ -122,12 +122,18 @@ def _crc(text: str) -> int:
 
 
 def split_prompts(
-    prompts: tuple[Prompt, ...] | list[Prompt], train: int, held_out: int, asked: str | None = None
-) -> tuple[list[Prompt], list[Prompt]]:
-    """`train` and `held_out` prompts from disjoint source modules. Modules are taken for the held-out
-    side in CRC32 order of their names until it has enough; each side's prompts are then ordered by CRC32
-    of their text (a spread over modules, not one module's run) and cut to the count asked. `asked` names
-    the training count's flags in the error (default `--prompts N`)."""
+    prompts: tuple[Prompt, ...] | list[Prompt],
+    train: int,
+    held_out: int,
+    asked: str | None = None,
+    spare: int = 0,
+) -> tuple[list[Prompt], list[Prompt], list[Prompt]]:
+    """`train`, `held_out` and `spare` prompts (`bench quality`'s selection prompts), the three from
+    disjoint source modules. Modules are taken in CRC32 order of their names, for the held-out side until it
+    has enough, then for the spare side until it has enough; each side's prompts are then ordered by CRC32
+    of their text (a spread over modules, not one module's run) and cut to the count asked. So the
+    held-out prompts do not depend on `spare`; the training prompts lose the spare side's modules. `asked`
+    names the training count's flags in the error (default `--prompts N`)."""
     if train < 1:
         raise FlashdraftError(f"--prompts must be at least 1, got {train}")
     if held_out < 1:
@@ -135,21 +141,34 @@ def split_prompts(
     groups: dict[str, list[Prompt]] = {}
     for prompt in prompts:
         groups.setdefault(prompt.group, []).append(prompt)
-    held_groups: set[str] = set()
-    count = 0
-    for name in sorted(groups, key=lambda g: (_crc(g), g)):
-        if count >= held_out:
-            break
-        held_groups.add(name)
-        count += len(groups[name])
-    held = sorted((p for p in prompts if p.group in held_groups), key=lambda p: (_crc(p.text), p.text))
-    rest = sorted((p for p in prompts if p.group not in held_groups), key=lambda p: (_crc(p.text), p.text))
-    if len(held) < held_out or len(rest) < train:
+    order = iter(sorted(groups, key=lambda g: (_crc(g), g)))
+
+    def take_modules(wanted: int) -> set[str]:
+        taken: set[str] = set()
+        count = 0
+        for name in order if wanted else ():
+            taken.add(name)
+            count += len(groups[name])
+            if count >= wanted:
+                break
+        return taken
+
+    held_groups = take_modules(held_out)
+    spare_groups = take_modules(spare)
+
+    def side(keep) -> list[Prompt]:
+        return sorted((p for p in prompts if keep(p.group)), key=lambda p: (_crc(p.text), p.text))
+
+    held, spared = side(held_groups.__contains__), side(spare_groups.__contains__)
+    rest = side(lambda group: group not in held_groups and group not in spare_groups)
+    if len(held) < held_out or len(spared) < spare or len(rest) < train:
+        select = f" --select-prompts {spare}" if spare else ""
         raise FlashdraftError(
-            f"{asked or f'--prompts {train}'} --eval-prompts {held_out}: the standard library gives {len(prompts)} prompts "
-            f"({len(rest)} for training once {len(held)} are held out); ask for fewer"
+            f"{asked or f'--prompts {train}'} --eval-prompts {held_out}{select}: the standard library gives "
+            f"{len(prompts)} prompts ({len(rest)} for training once {len(held) + len(spared)} are held out); "
+            "ask for fewer"
         )
-    return rest[:train], held[:held_out]
+    return rest[:train], held[:held_out], spared[:spare]
 
 
 def _write_chat_jsonl(path: str | Path, chosen: list[Prompt]) -> None:
@@ -170,13 +189,20 @@ def write_prompt_files(
     root: Path | None = None,
     prior_path: str | Path | None = None,
     prior: int = 0,
+    select_path: str | Path | None = None,
+    select: int = 0,
 ) -> dict[str, object]:
     """Both splits as chat JSONL (one user turn each, with its source); returns what was written.
     With `prior_path`, also the `prior` training-side prompts that follow the training ones (the data an
     earlier drafter was trained on, for `bench quality --warm-start`): the training and held-out files are
-    the same as without it."""
+    the same as without it. With `select_path`, also `select` held-out prompts that are not among the
+    held-out ones (`bench quality`'s selection prompts, which choose a checkpoint that the held-out ones
+    then score)."""
     asked = f"--prompts {train} with {prior} prior prompts" if prior_path is not None else None
-    rest, eval_prompts = split_prompts(stdlib_prompts(root), train + prior, held_out, asked)
+    spare = select if select_path is not None else 0
+    rest, eval_prompts, select_prompts = split_prompts(
+        stdlib_prompts(root), train + prior, held_out, asked, spare=spare
+    )
     train_prompts, prior_prompts = rest[:train], rest[train:]
     _write_chat_jsonl(train_path, train_prompts)
     _write_chat_jsonl(eval_path, eval_prompts)
@@ -190,4 +216,7 @@ def write_prompt_files(
     if prior_path is not None:
         _write_chat_jsonl(prior_path, prior_prompts)
         written["prior_prompts"] = len(prior_prompts)
+    if select_path is not None:
+        _write_chat_jsonl(select_path, select_prompts)
+        written["select_prompts"] = len(select_prompts)
     return written

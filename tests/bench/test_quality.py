@@ -122,12 +122,19 @@ def test_prompts_come_from_every_documented_definition_once_and_skip_tests_short
 
 def test_held_out_prompts_share_no_module_with_training_and_counts_are_exact(tmp_path):
     prompts = stdlib_prompts(write_fake_stdlib(tmp_path / "lib"))
-    train, held = split_prompts(prompts, 4, 2)
-    assert (len(train), len(held)) == (4, 2)
+    train, held, spare = split_prompts(prompts, 4, 2)
+    assert (len(train), len(held), spare) == (4, 2, [])
     assert not {p.group for p in train} & {p.group for p in held}
-    assert split_prompts(list(prompts), 4, 2) == (train, held)  # deterministic
+    assert split_prompts(list(prompts), 4, 2) == (train, held, [])  # deterministic
     with pytest.raises(FlashdraftError, match="--prompts 9 --eval-prompts 2: the standard library gives 10"):
         split_prompts(prompts, 9, 2)
+    # spare (selection) prompts: held out from training too, none of them among the held-out ones
+    train2, held2, spare2 = split_prompts(prompts, 2, 2, spare=2)
+    assert held2 == held and len(train2) == len(spare2) == 2  # the held-out prompts do not move
+    groups = [{p.group for p in side} for side in (train2, held2, spare2)]
+    assert not groups[0] & groups[1] and not groups[0] & groups[2] and not groups[1] & groups[2]
+    with pytest.raises(FlashdraftError, match="--eval-prompts 2 --select-prompts 9: the standard library"):
+        split_prompts(prompts, 2, 2, spare=9)
 
 
 @pytest.mark.slow
@@ -375,11 +382,14 @@ def tiny_quality_argv(
     eval_prompts: int = 2,
     minutes: str = "0.03",
     max_new: int = 12,
+    select: int = 0,
 ) -> list[str]:
-    """`bench quality` flags for the chain target on the CPU: seconds per variant."""
+    """`bench quality` flags for the chain target on the CPU: seconds per variant. `select`: selection
+    prompts (none by default: each adds a decode per curve point)."""
     return [
         "--target", str(target), "--work", str(work), "--out", str(out),
-        "--device", "cpu", "--prompts", str(prompts), "--eval-prompts", str(eval_prompts), "--answer-tokens", "24",
+        "--device", "cpu", "--prompts", str(prompts), "--eval-prompts", str(eval_prompts),
+        "--select-prompts", str(select), "--answer-tokens", "24",
         "--gpu-minutes", minutes, "--curve-points", "2", "--max-new-tokens", str(max_new),
         "--drafter-layers", "1", "--block-size", "4", "--num-anchors", "4", "--max-length", "2048",
         "--batch-size", "4", "--eval-every", "1000", "--lr", "3e-3",

@@ -142,7 +142,7 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
 
     target = save_chain_target(tmp_path / "target")
     work, first, second = tmp_path / "work", tmp_path / "flashdraft.json", tmp_path / "race.json"
-    argv = tiny_quality_argv(target, work, first, 16, 2, "0.03", 12)
+    argv = tiny_quality_argv(target, work, first, 16, 2, "0.03", 12, select=2)
     assert main(["bench", "quality", *argv, "--against", "specforge", "--race-side", "flashdraft"]) == 0
     half = json.loads(first.read_text())
     assert list(half["variants"]) == ["flashdraft"] and half["race"] is None
@@ -172,6 +172,10 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     other_data["race_inputs"]["data_manifest_sha256"]["train"] = "0" * 64
     (tmp_path / "other.json").write_text(json.dumps(other_data))
     refused(["--race-with", str(tmp_path / "other.json")], r"its train shards are not these")
+    other_select = json.loads(first.read_text())
+    other_select["race_inputs"]["data_manifest_sha256"]["select_prompts"] = "0" * 64
+    (tmp_path / "other-select.json").write_text(json.dumps(other_select))
+    refused(["--race-with", str(tmp_path / "other-select.json")], r"its selection prompts are not these")
 
     assert main(["bench", "quality", *rest, "--race-with", str(first)]) == 0
     result = json.loads(second.read_text())
@@ -185,3 +189,10 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
         ours["final"]["tau"] / result["variants"]["specforge"]["final"]["tau"]
     )
     assert result["race_inputs"]["initial_drafter_sha256"] == half["race_inputs"]["initial_drafter_sha256"]
+    # each side's checkpoint chosen by the same rule, on the selection prompts, scored on the held-out ones
+    for name, variant in result["variants"].items():
+        ranks = [p["select_tau"] for p in variant["curve"]]
+        assert variant["selected"] == variant["curve"][ranks.index(max(ranks))], name
+    chosen = race["selected"]
+    assert chosen["tau"] == {s: result["variants"][s]["selected"]["tau"] for s in ("flashdraft", "specforge")}
+    assert chosen["tau_ratio"] == pytest.approx(chosen["tau"]["flashdraft"] / chosen["tau"]["specforge"])
