@@ -343,6 +343,12 @@ class TrainConfig:
         "What picks best/ at each evaluation: 'simulated_tau' (highest held-out simulated τ), 'real_tau' "
         "(highest real τ: needs the real decode, train.real_eval_prompts) or 'loss' (lowest held-out loss).",
     )
+    early_stop_evals: int = doc(
+        0,
+        "End the run (as finished, with a final checkpoint) after this many evaluations in a row that did not "
+        "improve best/ (train.best_by): the drafter has begun to memorise its data, and best/ holds its best "
+        "(docs/training-loop.md). 0: never; either way a warning says so after 3.",
+    )
     keep_last: int = doc(3, "Checkpoints kept on disk.")
     resume: str = doc(
         "auto",
@@ -1003,6 +1009,12 @@ def _optimizer_placement_checks(t: TrainConfig, dist: DistributedConfig) -> list
 def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
     """(holds, message if not) of the real decode at each evaluation against the data and the topology."""
     return [
+        (
+            t.early_stop_evals >= 0 and (not t.early_stop_evals or (t.eval_every > 0 and bool(d.eval))),
+            f"train.early_stop_evals={t.early_stop_evals}: give 0 (never) or a count of evaluations, which "
+            f"needs evaluations: train.eval_every > 0 and data.eval (got eval_every={t.eval_every}, "
+            f"{len(d.eval)} data.eval path(s))",
+        ),
         (
             t.best_by != "real_tau" or (t.eval_every > 0 and bool(d.eval) and t.real_eval_prompts != 0),
             "train.best_by=real_tau needs the real decode at each evaluation: train.eval_every > 0, data.eval "

@@ -22,6 +22,8 @@ class TrainState:
     step: int = 0
     best_by: str = "simulated_tau"  # train.best_by: which held-out metric picked best/
     best: float | None = None  # that metric's value at the evaluation best/ holds; None: none yet
+    best_step: int | None = None  # the step best/ holds (None: none yet, or a checkpoint from before it)
+    evals_since_best: int = 0  # evaluations in a row since, none of which improved best/
     skipped: int = 0  # non-finite steps skipped in all
     bad_in_a_row: int = 0  # of them, the latest unbroken run (not saved: a checkpoint follows a good step)
     sampler: dict[str, Any] | None = None
@@ -40,12 +42,23 @@ class TrainState:
             return True
         return value < self.best if self.best_by == "loss" else value > self.best
 
+    def record_evaluation(self, value: float | None) -> bool:
+        """Book one evaluation whose best_by metric is `value`; returns whether it replaces best/. One with
+        no finite value (a real τ that was not measured) neither improves nor counts against best/."""
+        if self.improves(value):
+            self.best, self.best_step, self.evals_since_best = value, self.step, 0
+            return True
+        if value is not None and math.isfinite(value):
+            self.evals_since_best += 1
+        return False
+
     def choose_best_by(self, best_by: str) -> str | None:
         """Continue with this run's train.best_by; a resumed best by another metric is forgotten (best/
         is chosen anew from the next evaluation), and the line that says so is returned."""
         if best_by == self.best_by:
             return None
         was, self.best_by, self.best = self.best_by, best_by, None
+        self.best_step, self.evals_since_best = None, 0
         return f"resume: train.best_by {was} -> {best_by}: best/ is chosen anew from the next evaluation"
 
     def state_dict(self) -> dict[str, Any]:
@@ -57,6 +70,8 @@ class TrainState:
             "best_tau": self.best if simulated else -math.inf,
             "best_by": self.best_by,
             "best_value": self.best,
+            "best_step": self.best_step,
+            "evals_since_best": self.evals_since_best,
             "skipped_steps": self.skipped,
             "train_seconds": self.clock.train_seconds,
             "compile_seconds": self.clock.compile_seconds,
@@ -69,6 +84,8 @@ class TrainState:
         else:  # a checkpoint from before train.best_by: best/ was chosen by simulated τ
             old = float(state["best_tau"])
             self.best_by, self.best = "simulated_tau", old if math.isfinite(old) else None
+        # checkpoints from before these keys: the step unknown, the streak starts anew
+        self.best_step, self.evals_since_best = state.get("best_step"), state.get("evals_since_best", 0)
         self.sampler = state["sampler"]
         # Checkpoints from before the time budget existed carry no clock: they start from zero.
         self.clock = TrainingClock(

@@ -97,6 +97,7 @@ class Trainer:
     peak_tflops: float | None  # the device's bf16 peak (MFU), None where unknown
     real_eval: RealDecoder | None = None  # held-out prompts decoded for real at each evaluation (None: off)
     applied_lr: float | None = None  # the lr the last applied step trained at (what its metrics row shows)
+    early_stopped: bool = False  # train.early_stop_evals ended the run
 
     def train(self) -> dict[str, Any]:
         """Draw a batch, step, guard, log, evaluate, checkpoint, stop: until the last step, the time budget
@@ -157,6 +158,12 @@ class Trainer:
                 self.reserve_checkpoint_memory()
             if self.checkpoint_due(last, stopping, timed):
                 self.save_checkpoint()
+            if stopping and self.early_stopped:  # a finished run: its held-out metric stopped improving
+                self.say(
+                    f"train.early_stop_evals={t.early_stop_evals}: stopped at step {state.step} with a final "
+                    f"checkpoint; best/ holds step {state.best_step}"
+                )
+                break
             if stopping:
                 outcome = "stopped"
                 self.say(f"stopped at step {state.step}; {resume_hint()}")
@@ -328,8 +335,12 @@ class Trainer:
         abandoned = False
         if self.topo.is_main or collective:
             abandoned = self.validation_pass(collective)
-        (stopping,) = any_rank_flags([abandoned or self.stop.requested], self.device, self.topo)
-        return stopping
+        stale = self.config.train.early_stop_evals
+        early = bool(stale) and self.state.evals_since_best >= stale  # the main rank's count decides
+        stopping, self.early_stopped = any_rank_flags(
+            [abandoned or self.stop.requested, early and not abandoned], self.device, self.topo
+        )
+        return stopping or self.early_stopped
 
     def validation_pass(self, collective: bool) -> bool:
         """One pass over data.eval (and the real decode of a few of its prompts), logged as an eval row,
@@ -359,13 +370,37 @@ class Trainer:
             **({"eval_real_tau": result["real_tau"]} if "real_tau" in result else {}),
         )
         # best/ by train.best_by; the same decision on every rank of a collective pass (its write is one)
-        if state.improves(result.get(BEST_BY_KEY[t.best_by])):
-            state.best = result[BEST_BY_KEY[t.best_by]]
+        value = result.get(BEST_BY_KEY[t.best_by])
+        if state.record_evaluation(value):
             self.save_best()
             result["best"] = True  # this evaluation's drafter is best/ (infer/report.py reads it)
+        result["evals_since_best"] = state.evals_since_best
+        if state.evals_since_best == min(STALE_EVALS_WARNING, t.early_stop_evals or STALE_EVALS_WARNING):
+            self.say(self.memorising_line(value))
         if self.logger is not None:
             self.logger.log(state.step, result, kind="eval")
         return False
+
+    def memorising_line(self, value: float) -> str:
+        """What a run whose held-out metric stopped improving is told (never silent: a drafter that goes on
+        training past its best only memorises its answers, and the user's lever is the data)."""
+        t, state = self.config.train, self.state
+        metric = t.best_by.replace("_", " ")
+        since = "" if state.best_step is None else f" at step {state.best_step}"
+        epoch = (
+            "" if state.epoch is None else f", in epoch {state.epoch + 1} over {len(self.data.train)} samples"
+        )
+        stop = (
+            f"train.early_stop_evals={t.early_stop_evals} ends the run"
+            if t.early_stop_evals
+            else "train.early_stop_evals=N ends such a run"
+        )
+        return (
+            f"step {state.step}: held-out {metric} has not improved for {state.evals_since_best} evaluations "
+            f"(best {state.best:.4g}{since}, now {value:.4g}){epoch}: the drafter is likely memorising its "
+            f"training data. best/ holds its best; more answers (prepare --regenerate on more prompts) raise "
+            f"τ where more steps do not; {stop}"
+        )
 
     def real_decode(self, collective: bool) -> dict[str, Any] | None:
         """The real decode of the held-out prompts (train/real_eval.py) on the main rank, with a plain
@@ -470,6 +505,8 @@ class Trainer:
             "train_minutes": clock.train_seconds / 60,
             "compile_minutes": clock.compile_seconds / 60,
             "budget_spent": over_budget,
+            "best_step": self.state.best_step,
+            "early_stopped": self.early_stopped,
         }
 
     @property
@@ -482,6 +519,8 @@ class Trainer:
 
 # train.best_by -> the eval row key it picks best/ by (config.BEST_BY)
 BEST_BY_KEY = {"simulated_tau": "tau", "real_tau": "real_tau", "loss": "loss"}
+# evaluations in a row without a better best/ after which the run says it is likely memorising its data
+STALE_EVALS_WARNING = 3
 
 
 @dataclass
