@@ -818,6 +818,7 @@ def validate(config: Config) -> None:
         *_model_checks(config.model, config.data),
         *_train_checks(config.train),
         *_distributed_checks(config.distributed),
+        *_evaluation_checks(config.train, config.data),
         *_real_eval_checks(config.train, config.data, config.distributed),
         *_optimizer_placement_checks(config.train, config.distributed),
     ]
@@ -1006,8 +1007,8 @@ def _optimizer_placement_checks(t: TrainConfig, dist: DistributedConfig) -> list
     ]
 
 
-def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
-    """(holds, message if not) of the real decode at each evaluation against the data and the topology."""
+def _evaluation_checks(t: TrainConfig, d: DataConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of what needs the held-out evaluations."""
     return [
         (
             t.early_stop_evals >= 0 and (not t.early_stop_evals or (t.eval_every > 0 and bool(d.eval))),
@@ -1015,6 +1016,12 @@ def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) ->
             f"needs evaluations: train.eval_every > 0 and data.eval (got eval_every={t.eval_every}, "
             f"{len(d.eval)} data.eval path(s))",
         ),
+    ]
+
+
+def _real_eval_checks(t: TrainConfig, d: DataConfig, dist: DistributedConfig) -> list[tuple[bool, str]]:
+    """(holds, message if not) of the real decode at each evaluation against the data and the topology."""
+    return [
         (
             t.best_by != "real_tau" or (t.eval_every > 0 and bool(d.eval) and t.real_eval_prompts != 0),
             "train.best_by=real_tau needs the real decode at each evaluation: train.eval_every > 0, data.eval "
