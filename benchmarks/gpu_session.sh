@@ -10,7 +10,7 @@
 #          forward eager vs compiled inside it, each variant's KERNELS (default 20) largest kernels over the
 #          step and over the drafter's forward and loss alone (forward_kernels), then the fp8 gpu tests (~6 min; BENCH_S, TESTS_S
 #          bound each part); PRECISIONS="fp8" FP8_HEAD=only KERNELS=150 TESTS_S=1: the FP8 + head variant's whole
-#          kernel list alone (~2.5 min)
+#          kernel list alone (~2.5 min); FUSED_CE=1 adds --fused-ce (train.fused_ce's Triton loss kernels)
 #   hybrid: flashdraft bench train on the seeds' Qwen3.6-27B-shaped hybrid target, shape (a), with the
 #          flash-linear-attention kernels (wheels carried in .whl) and without (~7 min)
 #   hybrid-fp8: issue 32's FP8 on the hybrid target: bench train shape (a), bf16 vs fp8 vs fp8 + FP8 head (fla and
@@ -477,6 +477,7 @@ print('NVML:', gpu_usage())
     timeout ${BENCH_S:-300} python3 -m flashdraft bench train --shape ${SHAPE:-a} \
       $(for p in ${PRECISIONS:-bf16 fp8}; do printf -- '--precision %s ' $p; done) \
       $(for r in ${FP8_RECIPES:-tensorwise}; do printf -- '--fp8-recipe %s ' $r; done) --fp8-head ${FP8_HEAD:-also} --kernels ${KERNELS:-20} \
+      $([ -n "${FUSED_CE:-}" ] && echo --fused-ce) \
       --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)

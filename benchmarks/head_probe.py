@@ -9,7 +9,8 @@ shape (a)'s rows against a random Qwen3-8B-sized head, for each head (bf16, FP8)
 pass with the chunk function written along the vocabulary in `--splits` parts (`split_chunk_rows`: each part's
 max, argmax and sum of exponentials, then the parts combined), and, for the FP8 head, the trainer's pass with
 the gradient's amax read from the gradient (`fp8-amax-read`, the path before `ce_grad_amax`), each checked
-against the trainer's rows at the same chunk.
+against the trainer's rows at the same chunk; on a GPU also `train.fused_ce`'s two Triton kernels
+(`fused`, train/loss_kernels.py) for each head.
 Each variant: median ms per pass over `--reps`, the logits' bytes per ms (two reads and one write of the bf16
 logits: the floor's traffic), the peak memory the pass adds, and its largest kernels.
 
@@ -87,11 +88,17 @@ def probe(args: argparse.Namespace) -> dict:
     # chunk by chunk, every head and variant at each: a call cut short keeps whole comparisons
     for chunk in args.chunks:
         for head_name, gemm in heads.items():
-            for splits in (1, *args.splits):
+            # (vocabulary parts, train.fused_ce's Triton kernels): the trainer's, the splits, the kernels
+            modes = [(1, False), *((s, False) for s in args.splits), (1, True)]
+            for splits, fused in modes:
                 if splits > 1 and (args.vocab % splits or isinstance(gemm, AmaxRead)):
                     continue
+                if fused and (device.type != "cuda" or isinstance(gemm, AmaxRead)):
+                    continue  # the kernels run on a GPU (train/loss_kernels.py)
                 torch._dynamo.reset()
-                loss = WeightedHeadLoss(chunk=chunk, head=gemm, compile=args.compile)
+                loss = WeightedHeadLoss(
+                    chunk=chunk, head=gemm, compile=args.compile and not fused, fused=fused
+                )
                 if splits > 1:
                     split_fn = functools.partial(split_chunk_rows, splits=splits)
                     loss.chunk_fn = torch.compile(split_fn, fullgraph=True) if args.compile else split_fn
@@ -118,6 +125,7 @@ def probe(args: argparse.Namespace) -> dict:
                     "head": head_name,
                     "chunk": chunk,
                     "splits": splits,
+                    "fused": fused,
                     "ms": round(ms, 3),
                     "logits_GB_per_s_3x": round(3 * logits_bytes / ms / 1e6, 1),
                     **checks,
@@ -129,7 +137,8 @@ def probe(args: argparse.Namespace) -> dict:
                 if args.out:  # after each variant: a call cut by its time limit keeps the finished ones
                     atomic_write_json(args.out, report)
                 print(
-                    f"{head_name:5} chunk {chunk:5} splits {splits:3}: {row['ms']:8.3f} ms, "
+                    f"{head_name:5} chunk {chunk:5} splits {splits:3}{' fused' if fused else '      '}: "
+                    f"{row['ms']:8.3f} ms, "
                     f"{row['logits_GB_per_s_3x']:8.1f} GB/s, loss diff {checks['loss_max_abs_diff']:.2e}, "
                     f"grad diff {checks['grad_rel_diff']:.2e}, argmax same {checks['correct_equal']}"
                     + (f", +{row['added_peak_GiB']} GiB" if "added_peak_GiB" in row else ""),

@@ -301,6 +301,12 @@ class TrainConfig:
         "e5m2 logit gradients, one scale per tensor; the teacher's logits for kl/lk stay in the head's dtype: "
         "docs/fp8.md).",
     )
+    fused_ce: bool = doc(
+        False,
+        "Cross-entropy's two passes over each chunk of logits (the row reduction, the gradient) as two Triton "
+        "kernels instead of inductor's (train/loss_kernels.py, docs/fp8.md). CUDA, train.loss=ce, DFlash "
+        "drafters (not the DFlash2 selector's top-k). Off until measured on a GPU.",
+    )
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
     compile: bool = doc(
         True, "torch.compile the drafter layers and loss on GPU (flex attention requires it)."
@@ -931,6 +937,11 @@ def _train_checks(t: TrainConfig) -> list[tuple[bool, str]]:
         (
             t.fp8_recipe in ("tensorwise", "rowwise"),
             f"train.fp8_recipe must be tensorwise or rowwise, got {t.fp8_recipe!r}",
+        ),
+        (
+            not t.fused_ce or t.loss == "ce",
+            f"train.fused_ce computes cross-entropy only (its kernels' gradient is q - onehot); got "
+            f"train.loss={t.loss}",
         ),
         (
             not t.fp8_head or t.precision == "fp8",

@@ -150,6 +150,7 @@ def _build_drafter_step(
     fp8_recipe: str,
     fp8_head: bool = False,
     optimizer: str = "adamw",
+    fused_ce: bool = False,
 ) -> _DrafterStep:
     """A fresh drafter (block 16, on the target's layer ids) placed on the GPU, its objective and
     `optimizer` (train.optimizer, built as the trainer builds it, at the default learning rates)."""
@@ -176,6 +177,7 @@ def _build_drafter_step(
         chunk=loss_chunk,
         head=float8_head(target.lm_head_weight) if fp8_head else None,
         compile=placement.compiled,
+        fused=fused_ce,
     )
     objective = Objective(
         drafter,
@@ -275,6 +277,7 @@ def run_shape(
     fp8_head: bool = False,
     optimizer: str = "adamw",
     kernels: int = 0,
+    fused_ce: bool = False,
 ) -> dict:
     """The drafter training step of shape `name` on `target`: built, warmed up, timed, profiled; with
     `kernels`, also the drafter step's and its forward's `kernels` largest kernels by device time and the
@@ -293,6 +296,7 @@ def run_shape(
         fp8_recipe=fp8_recipe,
         fp8_head=fp8_head,
         optimizer=optimizer,
+        fused_ce=fused_ce,
     )
     batches = [random_batch(shape, target.vocab_size, seed) for seed in range(4)]
     timed = _time_steps(step, target, batches, warmup, steps)
@@ -308,6 +312,7 @@ def run_shape(
         "optimizer": optimizer,
         "master_weights": master_weights,
         "loss_chunk": loss_chunk,
+        "fused_ce": fused_ce,
         "attention": step.placement.attention,
         **_measurements(step, shape, timed, breakdown),
         **(
@@ -491,6 +496,11 @@ def _parser() -> argparse.ArgumentParser:
         default=TrainConfig.loss_chunk,
         help="rows per fused LM-head chunk (default: the trainer's train.loss_chunk; results before stop 57 used 1024)",
     )
+    parser.add_argument(
+        "--fused-ce",
+        action="store_true",
+        help="the loss's passes between its head GEMMs as train.fused_ce's Triton kernels (every variant)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="SDPA + eager (for comparison)")
     parser.add_argument(
         "--no-master-weights",
@@ -664,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_head=fp8_head,
                 optimizer=optimizer,
                 kernels=args.kernels,
+                fused_ce=args.fused_ce,
             )
             torch.cuda.empty_cache()
             _against_baselines(r, results)

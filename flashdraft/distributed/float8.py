@@ -300,6 +300,21 @@ class Float8Head:
         grad8, grad_inverse = _to_float8(grad_logits, torch.float8_e5m2, grad_amax)
         return self._mm(grad8, head_t.t(), grad_inverse, head_inverse).to(dtype)
 
+    def gradient_format(self, weight: Tensor, grad_amax: Tensor) -> tuple[torch.dtype, Tensor]:
+        """e5m2 (for its range), at the scale that puts `grad_amax` onto e5m2's largest value."""
+        return torch.float8_e5m2, _float8_scale(grad_amax, torch.float8_e5m2).reshape(1)
+
+    def scaled_input_grad(
+        self,
+        grad_logits: Tensor,
+        scale: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        _, head_t, head_inverse = operands
+        return self._mm(grad_logits, head_t.t(), scale.reciprocal().reshape(()), head_inverse).to(dtype)
+
 
 def float8_head(weight: Tensor) -> Float8Head:
     """The FP8 head GEMMs for the head `weight`, checked now: a head the FP8 GEMM cannot take is refused

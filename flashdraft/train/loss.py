@@ -71,6 +71,23 @@ class HeadGemm(Protocol):
         head that scales the gradient by it."""
         ...
 
+    def gradient_format(self, weight: Tensor, grad_amax: Tensor) -> tuple[torch.dtype, Tensor]:
+        """The dtype and the one-element fp32 scale in which `train.fused_ce`'s kernel writes the logits'
+        gradient for `scaled_input_grad`, given its largest magnitude."""
+        ...
+
+    def scaled_input_grad(
+        self,
+        grad_logits: Tensor,
+        scale: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """grad_logits [n, V], written times `scale` in `gradient_format`'s dtype, @ weight -> [n, H] in
+        `dtype`."""
+        ...
+
 
 class PlainHead:
     """Both GEMMs in the head's own dtype (bf16 on a GPU, fp32 on the CPU)."""
@@ -90,6 +107,19 @@ class PlainHead:
         grad_amax: Tensor | None = None,
     ) -> Tensor:
         return grad_logits.to(dtype) @ weight
+
+    def gradient_format(self, weight: Tensor, grad_amax: Tensor) -> tuple[torch.dtype, Tensor]:
+        return weight.dtype, torch.ones(1, dtype=torch.float32, device=weight.device)
+
+    def scaled_input_grad(
+        self,
+        grad_logits: Tensor,
+        scale: Tensor,
+        weight: Tensor,
+        operands: tuple[Tensor, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        return (grad_logits @ weight).to(dtype)  # written at scale 1
 
 
 PLAIN_HEAD = PlainHead()
@@ -151,6 +181,29 @@ def chunk_rows(
     else:
         topk_values, topk_ids = logits.new_zeros(logits.shape[0], 0), labels.new_zeros(labels.shape[0], 0)
     return row_loss, label_log_q.exp(), correct, grad, topk_values, topk_ids
+
+
+def fused_ce_rows(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    multiplier: float,
+    gemm: HeadGemm = PLAIN_HEAD,
+    gemm_operands: tuple[Tensor, ...] = (),
+):
+    """`chunk_rows` for cross-entropy without the selector's top-k (`train.fused_ce`): the head's two GEMMs
+    as there, the passes between them as two Triton kernels (train/loss_kernels.py), the gradient written
+    once in the dtype and scale the head's second GEMM reads."""
+    from flashdraft.train import loss_kernels
+
+    logits = gemm.logits(hidden, weight, gemm_operands)
+    lse, label_logit, argmax = loss_kernels.row_stats(logits, labels, multiplier)
+    label_log_q = label_logit - lse
+    dtype, scale = gemm.gradient_format(weight, ce_grad_amax(label_log_q, multiplier))
+    grad_logits = loss_kernels.softmax_grad(logits, labels, lse, multiplier, scale, dtype)
+    grad = gemm.scaled_input_grad(grad_logits, scale, weight, gemm_operands, hidden.dtype)
+    no_topk = labels.new_zeros(labels.shape[0], 0)
+    return -label_log_q, label_log_q.exp(), argmax == labels, grad, no_topk.float(), no_topk
 
 
 class _WeightedRowSum(torch.autograd.Function):
@@ -215,9 +268,13 @@ class WeightedHeadLoss:
         top_k: int = 0,
         head: HeadGemm | None = None,
         compile: bool = False,
+        fused: bool = False,
     ):
         if loss not in LOSSES:
             raise ValueError(f"loss={loss!r}; expected one of {LOSSES}")
+        if fused and loss != "ce":
+            raise ValueError(f"fused kernels compute cross-entropy only, not loss={loss!r}")
+        self.fused = fused
         self.chunk = chunk
         self.multiplier = multiplier
         self.loss = loss
@@ -256,6 +313,17 @@ class WeightedHeadLoss:
             end = min(start + self.chunk, n)
             chunk_hidden, chunk_labels = hidden[start:end].detach(), labels[start:end]
             chunk_teacher = None if teacher is None else teacher[start:end].to(head_weight.dtype)
+            if self.fused:
+                if self.top_k:
+                    raise ValueError("fused kernels compute no top-k (the DFlash2 selector's candidates)")
+                out = fused_ce_rows(
+                    chunk_hidden, head_weight, chunk_labels, self.multiplier, self.head, gemm_operands
+                )
+                for buffer, value in zip(
+                    (loss, prob, correct, grad, topk_values, topk_ids), out, strict=True
+                ):
+                    buffer[start:end] = value
+                continue
             if self.compiled:
                 for tensor in (chunk_hidden, chunk_labels, chunk_teacher):
                     if tensor is not None:

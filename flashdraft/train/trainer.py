@@ -550,8 +550,14 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         lk_eta=t.lk_eta,
         head=float8_head(run.target.lm_head_weight) if t.fp8_head else None,
         compile=placement.compiled,
+        fused=fused_ce_allowed(t.fused_ce, run.device),
     )
     objective = bind_objective(parallel.module, run.target, t, loss, placement)
+    if loss.fused and loss.top_k:  # bind_objective gave the loss the DFlash2 selector's top-k
+        raise FlashdraftError(
+            "train.fused_ce: a DFlash2 drafter's selector needs the head's top-k candidates, which the fused "
+            "kernels do not compute; set train.fused_ce=false"
+        )
     # Validation runs on the main rank alone with a replica (no collective), on every rank with shards (of
     # the drafter, or of the target: distributed.target_parallel).
     eval_objective = (
@@ -637,6 +643,16 @@ def build_trainer(run: RunStart, heartbeat: Heartbeat, stop: StopRequest) -> Tra
         peak_tflops=peak_tflops(run.device),
         real_eval=real_eval,
     )
+
+
+def fused_ce_allowed(asked: bool, device: torch.device) -> bool:
+    """train.fused_ce where its Triton kernels run (a CUDA device), refused elsewhere."""
+    if asked and device.type != "cuda":
+        raise FlashdraftError(
+            f"train.fused_ce runs Triton kernels on a CUDA GPU; this run is on {device.type}: set "
+            "train.fused_ce=false"
+        )
+    return asked
 
 
 def training_line(run: RunStart, placement: Placement) -> str:
