@@ -295,6 +295,8 @@ class WeightedHeadLoss:
         """hidden [n, H] rows with non-zero weight; teacher [n, H] for kl/lk."""
         if self.needs_teacher and teacher is None:
             raise ValueError(f"loss={self.loss!r} needs the target's final hidden rows")
+        if self.fused and self.top_k:
+            raise ValueError("fused kernels compute no top-k (the DFlash2 selector's candidates)")
         n = hidden.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -314,32 +316,26 @@ class WeightedHeadLoss:
             chunk_hidden, chunk_labels = hidden[start:end].detach(), labels[start:end]
             chunk_teacher = None if teacher is None else teacher[start:end].to(head_weight.dtype)
             if self.fused:
-                if self.top_k:
-                    raise ValueError("fused kernels compute no top-k (the DFlash2 selector's candidates)")
                 out = fused_ce_rows(
                     chunk_hidden, head_weight, chunk_labels, self.multiplier, self.head, gemm_operands
                 )
-                for buffer, value in zip(
-                    (loss, prob, correct, grad, topk_values, topk_ids), out, strict=True
-                ):
-                    buffer[start:end] = value
-                continue
-            if self.compiled:
-                for tensor in (chunk_hidden, chunk_labels, chunk_teacher):
-                    if tensor is not None:
-                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            out = self.chunk_fn(
-                chunk_hidden,
-                head_weight,
-                chunk_labels,
-                chunk_teacher,
-                self.multiplier,
-                self.loss,
-                self.lk_eta,
-                self.top_k,
-                self.head,
-                gemm_operands,
-            )
+            else:
+                if self.compiled:
+                    for tensor in (chunk_hidden, chunk_labels, chunk_teacher):
+                        if tensor is not None:
+                            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                out = self.chunk_fn(
+                    chunk_hidden,
+                    head_weight,
+                    chunk_labels,
+                    chunk_teacher,
+                    self.multiplier,
+                    self.loss,
+                    self.lk_eta,
+                    self.top_k,
+                    self.head,
+                    gemm_operands,
+                )
             for buffer, value in zip((loss, prob, correct, grad, topk_values, topk_ids), out, strict=True):
                 buffer[start:end] = value
         return HeadRows(loss, prob, correct, grad, topk_values, topk_ids)
