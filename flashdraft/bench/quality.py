@@ -676,8 +676,18 @@ def run_race(
     return variants
 
 
-def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str, Any] | None:
-    """The race's verdict: flashdraft's final τ over SpecForge's (ours and z-lab's loop), per position."""
+def epochs_per_step(batch_size: int, data: dict[str, Any]) -> float | None:
+    """The share of the training samples one step draws (None when their count is unknown)."""
+    samples = (data.get("train") or {}).get("samples")
+    return batch_size / samples if samples else None
+
+
+def race_summary(
+    variants: dict[str, dict[str, Any]], initial: Path, per_step: float | None = None
+) -> dict[str, Any] | None:
+    """The race's verdict: flashdraft's final τ over SpecForge's (ours and z-lab's loop), per position.
+    With `per_step` (the epochs one step trains: its samples over the training samples), also the epochs
+    each side trained: a budget that outruns the data measures memorising (docs/quality-benchmark.md)."""
     ours, theirs = variants.get("flashdraft"), variants.get("specforge")
     if not (ours and theirs and ours.get("final") and theirs.get("final")):
         return None
@@ -697,6 +707,8 @@ def race_summary(variants: dict[str, dict[str, Any]], initial: Path) -> dict[str
             "specforge": theirs["training"].get("train_minutes"),
         },
     }
+    if per_step:
+        summary["epochs"] = {side: steps * per_step for side, steps in summary["steps"].items()}
     if "zlab_tau" in a and "zlab_tau" in b:
         summary["zlab_tau"] = {"flashdraft": a["zlab_tau"], "specforge": b["zlab_tau"]}
         summary["zlab_tau_ratio"] = a["zlab_tau"] / b["zlab_tau"]
@@ -984,6 +996,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
     if result.get("race"):
         race = result["race"]
         line = f"race: τ flashdraft {race['tau']['flashdraft']:.3f} vs SpecForge {race['tau']['specforge']:.3f} ({race['tau_ratio']:.2f}x)"
+        if "epochs" in race:
+            line += f" after {race['epochs']['flashdraft']:.1f} and {race['epochs']['specforge']:.1f} epochs"
         if "zlab_tau" in race:
             z = race["zlab_tau"]
             line += f"; z-lab's loop {z['flashdraft']:.3f} vs {z['specforge']:.3f} ({race['zlab_tau_ratio']:.2f}x)"
@@ -1036,7 +1050,11 @@ def assemble(
         "curve": first.get("curve", []),
         "final": first.get("final"),
         "variants": variants,
-        "race": race_summary(variants, Path(args.work) / "race" / "initial-drafter")
+        "race": race_summary(
+            variants,
+            Path(args.work) / "race" / "initial-drafter",
+            per_step=epochs_per_step(args.batch_size, prepared["data"]),
+        )
         if args.against
         else None,
         "race_inputs": race,

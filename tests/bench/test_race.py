@@ -193,6 +193,8 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     for name, variant in result["variants"].items():
         ranks = [p["select_tau"] for p in variant["curve"]]
         assert variant["selected"] == variant["curve"][ranks.index(max(ranks))], name
+    samples = result["data"]["train"]["samples"]  # the epochs each side trained, at 4 sequences a step
+    assert race["epochs"] == pytest.approx({s: steps * 4 / samples for s, steps in race["steps"].items()})
     chosen = race["selected"]
     assert chosen["tau"] == {s: result["variants"][s]["selected"]["tau"] for s in ("flashdraft", "specforge")}
     assert chosen["tau_ratio"] == pytest.approx(chosen["tau"]["flashdraft"] / chosen["tau"]["specforge"])
