@@ -49,7 +49,8 @@
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
 #          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each;
 #          16 other held-out prompts choose each side's checkpoint, `race.selected`); RACE_PROMPTS (default 2000)
-#          answers to train on; TARGET=gemma3 after gemma-setup
+#          answers to train on (2,000 make a 13 MB race-TARGET-data.tar; past ~9,000 it outgrows a call's 64 MiB
+#          carry, so run both sides on one warm machine); TARGET=gemma3 after gemma-setup
 #          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
 #          also returns race-TARGET-data.tar (the shards and prompts); the next session carries it and the
 #          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
