@@ -1003,10 +1003,11 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
             line += f"; z-lab's loop {z['flashdraft']:.3f} vs {z['specforge']:.3f} ({race['zlab_tau_ratio']:.2f}x)"
         if "selected" in race:
             c = race["selected"]
+            at = {side: "?" if m is None else f"{m:.2f}" for side, m in c["gpu_minutes"].items()}
             line += (
-                f"; the checkpoints the selection prompts choose (minutes {c['gpu_minutes']['flashdraft']:.2f} "
-                f"and {c['gpu_minutes']['specforge']:.2f}): {c['tau']['flashdraft']:.3f} vs "
-                f"{c['tau']['specforge']:.3f} ({c['tau_ratio']:.2f}x)"
+                f"; the checkpoints the selection prompts choose (minutes {at['flashdraft']} and "
+                f"{at['specforge']}): {c['tau']['flashdraft']:.3f} vs {c['tau']['specforge']:.3f} "
+                f"({c['tau_ratio']:.2f}x)"
             )
         console.print(line, highlight=False)
     write_result(out, result)
