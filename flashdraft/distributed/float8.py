@@ -296,9 +296,10 @@ class Float8Head:
         dtype: torch.dtype,
         grad_amax: Tensor | None = None,
     ) -> Tensor:
-        _, head_t, head_inverse = operands
-        grad8, grad_inverse = _to_float8(grad_logits, torch.float8_e5m2, grad_amax)
-        return self._mm(grad8, head_t.t(), grad_inverse, head_inverse).to(dtype)
+        amax = grad_logits.abs().amax() if grad_amax is None else grad_amax
+        cast_dtype, scale = self.gradient_format(weight, amax)
+        grad8 = _scaled_cast(grad_logits, scale, cast_dtype)
+        return self.scaled_input_grad(grad8, scale, weight, operands, dtype)
 
     def gradient_format(self, weight: Tensor, grad_amax: Tensor) -> tuple[torch.dtype, Tensor]:
         """e5m2 (for its range), at the scale that puts `grad_amax` onto e5m2's largest value."""
