@@ -59,7 +59,7 @@ from flashdraft.bench.race_sides import (
 )
 from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.prepare import PrepareSettings, prepare
-from flashdraft.data.stdlib_prompts import write_prompt_files
+from flashdraft.data.stdlib_prompts import PROMPT_KINDS, write_prompt_files
 from flashdraft.devices import resolve_device
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
@@ -96,6 +96,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def prompt_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    unknown = [k for k in kinds if k not in PROMPT_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or 'none given'}: choose from {', '.join(PROMPT_KINDS)}"
+        )
+    return kinds
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashdraft bench quality",
@@ -108,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (all phases)")
     p.add_argument("--prompts", type=positive_int, default=2000, help="training prompts")
     p.add_argument("--eval-prompts", type=positive_int, default=64, help="held-out prompts")
+    p.add_argument(
+        "--prompt-kinds",
+        type=prompt_kinds,
+        default=("docs",),
+        help="what the prompts are made from, comma-separated: docs (the stdlib's docstrings, ~10,800 "
+        "prompts) and code (a question about each 12-line def/class snippet, ~18,000 more); docs,code "
+        "for a budget that outruns the docstrings' answers",
+    )
     p.add_argument(
         "--select-prompts",
         type=non_negative_int,
@@ -432,9 +450,11 @@ def prepare_data(args: argparse.Namespace, work: Path, console: Console) -> dict
         prior=args.prompts if warm else 0,
         select_path=select_prompts_file(work) if args.select_prompts else None,
         select=args.select_prompts,
+        kinds=args.prompt_kinds,
     )
     console.print(
-        f"[bold]1.[/] {prompts['train_prompts']} training prompts from {prompts['train_modules']} stdlib "
+        f"[bold]1.[/] {prompts['train_prompts']} training prompts ({','.join(args.prompt_kinds)}) from "
+        f"{prompts['train_modules']} stdlib "
         f"modules, {prompts['eval_prompts']} held out from {', '.join(prompts['eval_modules'])}"
         + (f" and {args.select_prompts} more that choose the checkpoint" if args.select_prompts else "")
         + (f"; {prompts['prior_prompts']} others for the prior drafter" if warm else "")

@@ -6,6 +6,11 @@ turn through a few fixed instruction templates. The order is deterministic (file
 CRC32 of the text, not Python's salted hash), docstrings are deduplicated, and the held-out split is by
 source module: a top-level module or package (`email`, `asyncio`) is wholly in training or wholly held out,
 so no held-out prompt paraphrases a training one from a sibling file (docs/quality-benchmark.md).
+
+Two kinds of prompt (`bench quality --prompt-kinds`): `docs`, the docstrings through the templates above,
+and `code`, a question about a 12-line `def`/`class` snippet of the same files (the question `quickstart
+--real` asks). Together they give about 2.4x the docstrings' count, for races whose budget outruns the
+docstrings alone (docs/quality-benchmark.md, "The race").
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ TEMPLATES = {
     "documentation. Say what it takes and what it returns.\n\n{doc}",
     "write": "Write a Python function named `{name}` that does the following:\n\n{doc}",
 }
+# the `code` kind's question, which `quickstart --real` asks too
+CODE_QUESTION = "In one or two sentences, what does this Python code do?\n\n```python\n{code}```"
+SNIPPET_LINES = 12
+PROMPT_KINDS = ("docs", "code")
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,17 @@ def _shorten(doc: str) -> str:
     return doc[: cut if cut >= MIN_CHARS else MAX_CHARS].rstrip()
 
 
+def code_snippets(text: str) -> list[tuple[int, str]]:
+    """(1-based line, the SNIPPET_LINES lines from it) for each line that opens a `def` or `class`, in
+    source order."""
+    lines = text.splitlines(keepends=True)
+    return [
+        (i + 1, "".join(lines[i : i + SNIPPET_LINES]))
+        for i, line in enumerate(lines)
+        if line.lstrip().startswith(("def ", "class "))
+    ]
+
+
 def _documented(tree: ast.Module) -> list[tuple[str, str, str]]:
     """(kind, qualified name, docstring) of the module and every class and function, in source order."""
     found = []
@@ -85,35 +105,56 @@ def _documented(tree: ast.Module) -> list[tuple[str, str, str]]:
     return found
 
 
-@functools.lru_cache(maxsize=4)
-def stdlib_prompts(root: Path | None = None) -> tuple[Prompt, ...]:
-    """Every prompt the library's docstrings give, deduplicated by docstring, in a fixed order."""
+@functools.lru_cache(maxsize=8)
+def stdlib_prompts(root: Path | None = None, kinds: tuple[str, ...] = ("docs",)) -> tuple[Prompt, ...]:
+    """Every prompt of `kinds` (PROMPT_KINDS) the library gives, deduplicated, in a fixed order: file by
+    file, a file's docstring prompts before its code questions."""
+    unknown = sorted(set(kinds) - set(PROMPT_KINDS))
+    if unknown or not kinds:
+        raise FlashdraftError(
+            f"--prompt-kinds: {', '.join(unknown) or 'none given'}; choose from {', '.join(PROMPT_KINDS)}"
+        )
     root = root or stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]))
     prompts, seen_docs, seen_texts = [], set(), set()
+
+    def add(group: str, source: str, text: str) -> None:
+        if text not in seen_texts:
+            seen_texts.add(text)
+            prompts.append(Prompt(group, source, text))
+
     for path in files:
         relative = path.relative_to(root)
         module = _module_name(relative)
+        group = relative.parts[0].removesuffix(".py")
         try:
-            tree = ast.parse(path.read_bytes())
+            source_bytes = path.read_bytes()
+            tree = ast.parse(source_bytes)
         except (SyntaxError, ValueError):  # a file the running parser does not read is not text we need
             continue
-        for kind, qualname, doc in _documented(tree):
+        for kind, qualname, doc in _documented(tree) if "docs" in kinds else ():
             key = " ".join(doc.split())
             if len(key) < MIN_CHARS or key in seen_docs:
                 continue
             seen_docs.add(key)
             fields = {"module": module, "qualname": qualname, "name": qualname.rsplit(".", 1)[-1]}
             fields["doc"] = _shorten(doc)
-            kinds = [kind]
+            templates = [kind]
             if kind == "function" and not fields["name"].startswith("_"):
-                kinds.append("write")  # a public function also asks for an implementation
-            for template in kinds:
-                text = TEMPLATES[template].format(**fields)
-                if text not in seen_texts:
-                    seen_texts.add(text)
-                    source = f"{module}.{qualname}" if qualname else module
-                    prompts.append(Prompt(relative.parts[0].removesuffix(".py"), source, text))
+                templates.append("write")  # a public function also asks for an implementation
+            for template in templates:
+                add(
+                    group,
+                    f"{module}.{qualname}" if qualname else module,
+                    TEMPLATES[template].format(**fields),
+                )
+        if "code" in kinds:
+            try:
+                text = source_bytes.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            for line, snippet in code_snippets(text):
+                add(group, f"{module}:{line}", CODE_QUESTION.format(code=snippet))
     return tuple(prompts)
 
 
@@ -191,18 +232,24 @@ def write_prompt_files(
     prior: int = 0,
     select_path: str | Path | None = None,
     select: int = 0,
+    kinds: tuple[str, ...] = ("docs",),
 ) -> dict[str, object]:
     """Both splits as chat JSONL (one user turn each, with its source); returns what was written.
     With `prior_path`, also the `prior` training-side prompts that follow the training ones (the data an
     earlier drafter was trained on, for `bench quality --warm-start`): the training and held-out files are
     the same as without it. With `select_path`, also `select` held-out prompts that are not among the
     held-out ones (`bench quality`'s selection prompts, which choose a checkpoint that the held-out ones
-    then score)."""
+    then score). `kinds`: PROMPT_KINDS to draw from."""
     asked = f"--prompts {train} with {prior} prior prompts" if prior_path is not None else None
     spare = select if select_path is not None else 0
-    rest, eval_prompts, select_prompts = split_prompts(
-        stdlib_prompts(root), train + prior, held_out, asked, spare=spare
-    )
+    try:
+        rest, eval_prompts, select_prompts = split_prompts(
+            stdlib_prompts(root, tuple(kinds)), train + prior, held_out, asked, spare=spare
+        )
+    except FlashdraftError as exc:
+        if "code" in kinds:
+            raise
+        raise FlashdraftError(f"{exc}, or add the code questions: --prompt-kinds docs,code") from None
     train_prompts, prior_prompts = rest[:train], rest[train:]
     _write_chat_jsonl(train_path, train_prompts)
     _write_chat_jsonl(eval_path, eval_prompts)
@@ -212,6 +259,7 @@ def write_prompt_files(
         "train_modules": len({p.group for p in train_prompts}),
         "eval_modules": sorted({p.group for p in eval_prompts}),
         "stdlib": str(root or stdlib_root()),
+        "kinds": list(kinds),
     }
     if prior_path is not None:
         _write_chat_jsonl(prior_path, prior_prompts)

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flashdraft.config import Config, Sampling, load_config, parse_override
+from flashdraft.data.stdlib_prompts import CODE_QUESTION, code_snippets
 from flashdraft.durable import atomic_write_text
 from flashdraft.errors import FlashdraftError
 from flashdraft.infer.evaluate import EvalSettings, run_eval
@@ -223,7 +224,6 @@ REAL_SIZES = {
     "cuda": RealSizes(12000, 32, 32, 256, 32, 128),
     "cpu": RealSizes(16, 2, 4, 128, 4, 32),
 }
-REAL_QUESTION = "In one or two sentences, what does this Python code do?\n\n```python\n{code}```"
 
 
 def code_questions(files: list[Path], count: int, seed: int) -> list[dict]:
@@ -236,14 +236,7 @@ def code_questions(files: list[Path], count: int, seed: int) -> list[dict]:
     from flashdraft.quickstart.tiny_lm import read_text
 
     rng = random.Random(seed)
-    snippets = []
-    for text in read_text(files, 10**9):
-        lines = text.splitlines(keepends=True)
-        snippets += [
-            "".join(lines[i : i + 12])
-            for i, line in enumerate(lines)
-            if line.lstrip().startswith(("def ", "class "))
-        ]
+    snippets = [snippet for text in read_text(files, 10**9) for _, snippet in code_snippets(text)]
     snippets = list(dict.fromkeys(snippets))  # identical snippets would be identical questions
     if not snippets:
         raise FlashdraftError(
@@ -253,7 +246,7 @@ def code_questions(files: list[Path], count: int, seed: int) -> list[dict]:
     while len(records) < count:
         order = rng.sample(snippets, len(snippets))
         records += [
-            {"messages": [{"role": "user", "content": REAL_QUESTION.format(code=code)}]}
+            {"messages": [{"role": "user", "content": CODE_QUESTION.format(code=code)}]}
             for code in order[: count - len(records)]
         ]
     return records

@@ -120,6 +120,55 @@ def test_prompts_come_from_every_documented_definition_once_and_skip_tests_short
     assert sum("Write a Python function named `again`" in p.text for p in prompts) == 1
 
 
+def test_code_questions_ask_about_each_def_and_class_of_the_same_files_and_modules(tmp_path):
+    root = write_fake_stdlib(tmp_path / "lib")
+    docs = stdlib_prompts(root)
+    both = stdlib_prompts(root, ("docs", "code"))
+    code = stdlib_prompts(root, ("code",))
+    assert stdlib_prompts(root, ("docs",)) == docs  # the default kind
+    # a file's docstring prompts, then its snippets' questions; a broken file and tests give neither
+    assert [p for p in both if not p.source.count(":")] == list(docs)
+    assert [p for p in both if p.source.count(":")] == list(code)
+    assert [(p.group, p.source) for p in code] == [
+        ("alpha", "alpha:1"),
+        ("alpha", "alpha:4"),
+        ("alpha", "alpha:8"),
+        ("alpha", "alpha:12"),
+        ("beta", "beta:1"),
+        ("pkg", "pkg.inner:1"),
+        ("pkg", "pkg.inner:5"),
+    ]
+    first = code[0].text
+    assert first.startswith(
+        "In one or two sentences, what does this Python code do?\n\n```python\nclass Box:"
+    )
+    assert first.count("\n") == 3 + 12 and first.endswith("```")  # the question, 12 source lines, fenced
+    # the held-out split stays by module, across both kinds
+    train, held, _ = split_prompts(both, 6, 4)
+    assert not {p.group for p in train} & {p.group for p in held}
+    with pytest.raises(FlashdraftError, match="choose from docs, code"):
+        stdlib_prompts(root, ("docstrings",))
+
+
+def test_too_many_prompts_point_at_the_code_questions(tmp_path):
+    from flashdraft.bench.quality import build_parser
+
+    root = write_fake_stdlib(tmp_path / "lib")
+    with pytest.raises(FlashdraftError, match="or add the code questions: --prompt-kinds docs,code"):
+        write_prompt_files(tmp_path / "t.jsonl", tmp_path / "e.jsonl", 9, 2, root=root)
+    written = write_prompt_files(
+        tmp_path / "t.jsonl", tmp_path / "e.jsonl", 9, 2, root=root, kinds=("docs", "code")
+    )
+    assert written["train_prompts"] == 9 and written["kinds"] == ["docs", "code"]
+    assert not (tmp_path / "t.jsonl.tmp").exists()
+    assert build_parser().parse_args(["--target", "t", "--prompt-kinds", "code,docs"]).prompt_kinds == (
+        "code",
+        "docs",
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--target", "t", "--prompt-kinds", "docs,pictures"])
+
+
 def test_held_out_prompts_share_no_module_with_training_and_counts_are_exact(tmp_path):
     prompts = stdlib_prompts(write_fake_stdlib(tmp_path / "lib"))
     train, held, spare = split_prompts(prompts, 4, 2)
