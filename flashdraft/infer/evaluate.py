@@ -41,6 +41,7 @@ from flashdraft.infer.report import (
 )
 from flashdraft.model.attention import decoding_attention_kernels
 from flashdraft.model.drafter_dir import load_drafter
+from flashdraft.model.spec import ARCHITECTURES
 from flashdraft.model.target import TargetModel, default_dtype, load_target_config, load_target_tokenizer
 from flashdraft.outputs import check_output_file
 from flashdraft.progress import phase, track
@@ -425,7 +426,16 @@ def run_eval(
         report["simulated"] = simulated
     if settings.engine == "zlab":
         report["zlab"] = zlab_comparison(
-            drafter_dir, target, state.encoded, spec, settings, state.block, state.stop_ids, dtype, console
+            drafter_dir,
+            target,
+            state.encoded,
+            spec,
+            settings,
+            state.block,
+            state.stop_ids,
+            dtype,
+            console,
+            arch=drafter.spec.arch,
         )
     if settings.check_lossless == "fp32" and divergences and dtype != torch.float32:
         del drafter, target  # the timed runs are done: make room for the fp32 copies
@@ -667,12 +677,15 @@ def zlab_comparison(
     stop_ids: list[int],
     dtype: torch.dtype,
     console: Console,
+    arch: str = "dflash",
 ) -> dict[str, Any]:
-    """Run z-lab's `dflash_generate` (package dflash) with its own loading of the drafter on the same
-    target and prompts; its τ beside ours, and where the per-step acceptance lengths first differ."""
+    """Run z-lab's `dflash_generate` (package dflash) with its own loading of the drafter (its class for
+    `arch`: DFlashDraftModel or DFlash2DraftModel) on the same target and prompts; its τ beside ours, and
+    where the per-step acceptance lengths first differ."""
     import dflash.model as zlab_model
 
-    zdrafter = zlab_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(target.device).eval()
+    zlab_class = getattr(zlab_model, ARCHITECTURES[arch])
+    zdrafter = zlab_class.from_pretrained(drafter_dir, dtype=dtype).to(target.device).eval()
     torch.manual_seed(settings.sampling.seed)  # z-lab samples from the global generator at T > 0
 
     def run(prompt: torch.Tensor):
@@ -713,6 +726,7 @@ def zlab_comparison(
     steps = [a for r in runs for a in r.acceptance_lengths]
     seconds = sum(r.time_per_output_token * r.num_output_tokens for r in runs)
     result = {
+        "drafter_class": zlab_class.__name__,
         "tau": statistics.mean(taus) if taus else float("nan"),
         "tau_pooled": sum(steps) / len(steps) if steps else float("nan"),
         "tokens_per_s": sum(r.num_output_tokens for r in runs) / seconds if seconds > 0 else float("nan"),

@@ -17,8 +17,17 @@ from flashdraft.model.target import TargetModel
 
 
 @pytest.mark.slow
-def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys, arch):
+    """dflash2: the trained drafter grafted onto DFlash2 (identity convolutions, a zero selector term: the
+    same drafts), which z-lab's loop must load as its DFlash2DraftModel and decode step for step alike."""
     pytest.importorskip("dflash.model", reason="pip install --no-deps dflash==0.1.0")
+    drafter_dir = trained["drafter"]
+    if arch == "dflash2":
+        drafter_dir = tmp_path / "grafted"
+        init = ["init", "--target", str(trained["target"]), "--from", str(trained["drafter"])]
+        assert main([*init, "--arch", "dflash2", "--out", str(drafter_dir)]) == 0
+        assert json.loads((drafter_dir / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     drafter = load_drafter(trained["drafter"])
     target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
     # Prompts from the drafter's training data (prompt + 8 answer tokens), where it has learnt to draft.
@@ -33,11 +42,12 @@ def test_zlab_engine_agrees_with_ours_step_by_step(trained, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p[0].tolist()}) + "\n" for _, p in runs))
     out = tmp_path / "r.json"
-    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(trained["drafter"])]
+    argv = ["eval", "--target", str(trained["target"]), "--drafter", str(drafter_dir)]
     argv += ["--prompts", str(prompts), "--max-new-tokens", "40", "--engine", "zlab", "--out", str(out)]
     assert main([*argv, "--device", "cpu"]) == 0
     report = json.loads(out.read_text())
     z = report["zlab"]
+    assert z["drafter_class"] == {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[arch]
     assert z["acceptance_lengths"] == [r.accepted for r in ours]
     assert z["identical_steps"] == z["identical_tokens"] == 3 and z["first_step_differences"] == []
     assert z["tau"] == report["tau"] and z["tau_pooled"] == report["tau_pooled"]
