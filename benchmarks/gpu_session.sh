@@ -51,7 +51,8 @@
 #          16 other held-out prompts choose each side's checkpoint, `race.selected`); RACE_PROMPTS (default 2000)
 #          answers to train on (2,000 make a 13 MB race-TARGET-data.tar; past ~9,000 it outgrows a call's 64 MiB
 #          carry, so run both sides on one warm machine); RACE_KINDS (default docs; docs,code: ~28,000 prompts
-#          where the docstrings give ~10,800); TARGET=gemma3 after gemma-setup
+#          where the docstrings give ~10,800); RACE_ARCH=dflash2: flashdraft's side grafted onto DFlash2
+#          (both sides of one race must say the same); TARGET=gemma3 after gemma-setup
 #          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
 #          also returns race-TARGET-data.tar (the shards and prompts); the next session carries it and the
 #          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
@@ -169,7 +170,7 @@ case "$part" in
       --target $tdir --work $w --device cuda --prompts ${RACE_PROMPTS:-2000} --prompt-kinds ${RACE_KINDS:-docs} \
       --eval-prompts 16 --select-prompts 16 \
       --answer-tokens 512 --gpu-minutes ${MINUTES:-5} --curve-points ${CURVE_POINTS:-4} --max-new-tokens 128 --drafter-layers 2 \
-      --block-size 8 --race-side ${SIDE:-both} $half --out $w.json > $w.log 2>&1 &
+      --block-size 8 --race-arch ${RACE_ARCH:-dflash} --race-side ${SIDE:-both} $half --out $w.json > $w.log 2>&1 &
     echo $! > $REAL/race-${TARGET:-smollm2}.pid; sleep 60; grep -v -i warn $REAL/race-${TARGET:-smollm2}.log | tail -8 ;;
   race-wait)
     r=$REAL/race-${TARGET:-smollm2}

@@ -199,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
         "with the same evaluators",
     )
     p.add_argument(
+        "--race-arch",
+        choices=("dflash", "dflash2"),
+        default="dflash",
+        help="with --against: the architecture flashdraft's side trains. dflash (default): the initial "
+        "drafter as it is, the shape SpecForge trains; dflash2: grafted onto DFlash2 (identity "
+        "convolutions and a zero selector term, so step 0 drafts as the initial drafter does), which "
+        "SpecForge cannot train and SGLang and z-lab's code serve, vLLM not (docs/drafters.md §3)",
+    )
+    p.add_argument(
         "--race-side",
         choices=("both", *RACE_SIDES),
         default="both",
@@ -274,6 +283,8 @@ def check_inputs(args: argparse.Namespace, out: Path) -> None:
             raise FlashdraftError(f"--against specforge: {why}")
     if not getattr(args, "against", None) and (args.race_side != "both" or args.race_with):
         raise FlashdraftError("--race-side and --race-with split a race: they need --against")
+    if not getattr(args, "against", None) and args.race_arch != "dflash":
+        raise FlashdraftError("--race-arch is the race's flashdraft side: it needs --against")
     if args.race_with and args.race_side == "both":
         raise FlashdraftError(
             "--race-with: give --race-side, the side this call trains (the file holds the other)"
@@ -382,6 +393,7 @@ def curve_point(report: dict[str, Any], step: int) -> dict[str, Any]:
     }
     if "zlab" in report:
         point["zlab_tau"] = report["zlab"]["tau"]
+        point["zlab_class"] = report["zlab"]["drafter_class"]  # the z-lab model that loaded the drafter
     return point
 
 
@@ -656,7 +668,7 @@ def run_race(
         console.print(f"[bold]race.[/] the {other} side as measured by {earlier['from']['path']}")
     if "flashdraft" in sides:
         variants["flashdraft"] = train_and_evaluate(
-            args, work, "flashdraft", [f"model.drafter={init}"], console, zlab,
+            args, work, "flashdraft", [f"model.drafter={init}", f"model.arch={args.race_arch}"], console, zlab,
             on_progress=lambda r: publish("flashdraft", r),
         )  # fmt: skip
     if "specforge" not in sides:
@@ -715,6 +727,8 @@ def race_summary(
     summary = {
         "against": "specforge",
         "initial_drafter": str(initial),
+        # --race-arch, as the flashdraft side's own record says (it may come from an earlier call)
+        "flashdraft_arch": "dflash2" if "model.arch=dflash2" in ours.get("overrides", ()) else "dflash",
         "tau": {"flashdraft": a["tau"], "specforge": b["tau"]},
         "tau_ratio": a["tau"] / b["tau"],
         "acceptance_by_position": {
@@ -1015,7 +1029,8 @@ def run_quality(args: argparse.Namespace, argv: list[str] | None, console: Conso
         console.print(line, highlight=False)
     if result.get("race"):
         race = result["race"]
-        line = f"race: τ flashdraft {race['tau']['flashdraft']:.3f} vs SpecForge {race['tau']['specforge']:.3f} ({race['tau_ratio']:.2f}x)"
+        arch = " (DFlash2)" if race.get("flashdraft_arch") == "dflash2" else ""
+        line = f"race: τ flashdraft{arch} {race['tau']['flashdraft']:.3f} vs SpecForge {race['tau']['specforge']:.3f} ({race['tau_ratio']:.2f}x)"
         if "epochs" in race:
             line += f" after {race['epochs']['flashdraft']:.1f} and {race['epochs']['specforge']:.1f} epochs"
         if "zlab_tau" in race:

@@ -35,7 +35,10 @@ SHARED_FLAGS = (
     "eval_every",
     "max_new_tokens",
     "select_prompts",
+    "race_arch",
 )
+# a shared flag's value in results written before the flag existed
+SHARED_FLAG_BEFORE = {"race_arch": "dflash"}
 
 
 def sides_to_run(side: str) -> tuple[str, ...]:
@@ -83,9 +86,10 @@ def earlier_side(path: Path, wanted_side: str, inputs: dict[str, Any]) -> dict[s
     theirs = earlier["race_inputs"]
     their_settings, their_data = theirs.get("settings", {}), theirs.get("data_manifest_sha256", {})
     for flag, value in inputs["settings"].items():
-        if their_settings.get(flag) != value:
+        theirs_value = their_settings.get(flag, SHARED_FLAG_BEFORE.get(flag))
+        if theirs_value != value:
             raise FlashdraftError(
-                f"{where}: another race: --{flag.replace('_', '-')} was {their_settings.get(flag)!r} "
+                f"{where}: another race: --{flag.replace('_', '-')} was {theirs_value!r} "
                 f"there, {value!r} here"
             )
     for split, digest in inputs["data_manifest_sha256"].items():

@@ -82,6 +82,10 @@ def test_the_race_refuses_variants_and_a_missing_specforge(tmp_path, monkeypatch
     argv = ["--target", str(tmp_path), "--work", str(tmp_path / "w"), "--against", "specforge"]
     with pytest.raises(FlashdraftError, match="--against and --variant"):
         run_quality(build_parser().parse_args([*argv, "--variant", "dflash2"]), [])
+    with pytest.raises(
+        FlashdraftError, match="--race-arch is the race's flashdraft side: it needs --against"
+    ):
+        run_quality(build_parser().parse_args([*argv[:4], "--race-arch", "dflash2"]), [])
     monkeypatch.setattr(race, "specforge_missing", lambda: "the specforge package is not installed: pip ...")
     with pytest.raises(
         FlashdraftError, match=r"^--against specforge: the specforge package is not installed"
@@ -139,15 +143,22 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     from flashdraft.bench.quality import build_parser, run_quality
     from flashdraft.cli import main
     from flashdraft.errors import FlashdraftError
+    from flashdraft.model.drafter_dir import load_drafter
 
     target = save_chain_target(tmp_path / "target")
     work, first, second = tmp_path / "work", tmp_path / "flashdraft.json", tmp_path / "race.json"
-    argv = tiny_quality_argv(target, work, first, 16, 2, "0.03", 12, select=2)
+    # flashdraft's side as DFlash2, grafted onto the initial DFlash drafter (--race-arch)
+    argv = [*tiny_quality_argv(target, work, first, 16, 2, "0.03", 12, select=2), "--race-arch", "dflash2"]
     assert main(["bench", "quality", *argv, "--against", "specforge", "--race-side", "flashdraft"]) == 0
     half = json.loads(first.read_text())
     assert list(half["variants"]) == ["flashdraft"] and half["race"] is None
     assert half["race_inputs"]["settings"]["gpu_minutes"] == 0.03
+    assert half["race_inputs"]["settings"]["race_arch"] == "dflash2"
     assert not (work / "variants" / "specforge").exists()  # SpecForge did not train
+    for point in half["variants"]["flashdraft"]["curve"]:
+        assert load_drafter(point["drafter"]).spec.arch == "dflash2"
+    if half["zlab_available"]:  # z-lab's loop decoded it as its DFlash2DraftModel
+        assert half["variants"]["flashdraft"]["final"]["zlab_class"] == "DFlash2DraftModel"
 
     rest = [*argv, "--against", "specforge", "--race-side", "specforge", "--reuse-data"]
     rest[rest.index("--out") + 1] = str(second)
@@ -176,6 +187,18 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     other_select["race_inputs"]["data_manifest_sha256"]["select_prompts"] = "0" * 64
     (tmp_path / "other-select.json").write_text(json.dumps(other_select))
     refused(["--race-with", str(tmp_path / "other-select.json")], r"its selection prompts are not these")
+    dflash_half = [*rest, "--race-with", str(first)]
+    dflash_half[dflash_half.index("--race-arch") + 1] = "dflash"
+    with pytest.raises(
+        FlashdraftError, match=r"another race: --race-arch was 'dflash2' there, 'dflash' here"
+    ):
+        run_quality(build_parser().parse_args(dflash_half), [])
+    older = json.loads(
+        first.read_text()
+    )  # written before --race-arch existed: its flashdraft side was DFlash
+    del older["race_inputs"]["settings"]["race_arch"]
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    refused(["--race-with", str(tmp_path / "older.json")], r"--race-arch was 'dflash' there, 'dflash2' here")
 
     assert main(["bench", "quality", *rest, "--race-with", str(first)]) == 0
     result = json.loads(second.read_text())
@@ -184,6 +207,7 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     assert ours["final"] == half["variants"]["flashdraft"]["final"]  # taken as measured, not retrained
     assert ours["measured_in"]["path"] == str(first)
     race = result["race"]
+    assert race["flashdraft_arch"] == "dflash2"
     assert race["tau"]["flashdraft"] == ours["final"]["tau"]
     assert race["tau_ratio"] == pytest.approx(
         ours["final"]["tau"] / result["variants"]["specforge"]["final"]["tau"]
