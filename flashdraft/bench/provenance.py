@@ -14,14 +14,17 @@ from flashdraft.durable import atomic_write_json
 from flashdraft.provenance import git_commit, python_bytecode
 
 
+def machine_name() -> str:
+    """The GPU's name, or the CPU's architecture without one: what a timing was measured on."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()})"
+
+
 def provenance(benchmark: str, argv: list[str] | None) -> dict[str, Any]:
     """`benchmark` is the subcommand ('train', 'eval', 'regen'); `argv` its arguments as given."""
     return {
         "benchmark": f"flashdraft bench {benchmark}",
         "command": " ".join(["flashdraft", "bench", benchmark, *(argv or [])]),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"cpu ({platform.machine()})",
+        "device": machine_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

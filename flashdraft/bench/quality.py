@@ -667,8 +667,10 @@ def run_race(
         publish(other, variants[other])
         console.print(f"[bold]race.[/] the {other} side as measured by {earlier['from']['path']}")
     if "flashdraft" in sides:
+        # the initial drafter as it is, or grafted onto DFlash2 (model.arch=dflash2 with a DFlash model.drafter)
+        graft = ["model.arch=dflash2"] if args.race_arch == "dflash2" else []
         variants["flashdraft"] = train_and_evaluate(
-            args, work, "flashdraft", [f"model.drafter={init}", f"model.arch={args.race_arch}"], console, zlab,
+            args, work, "flashdraft", [f"model.drafter={init}", *graft], console, zlab,
             on_progress=lambda r: publish("flashdraft", r),
         )  # fmt: skip
     if "specforge" not in sides:
@@ -895,6 +897,8 @@ def child_argv(args: argparse.Namespace, spec: tuple[str, list[str]], device: st
         value = getattr(args, action.dest)
         if action.const is True:  # a store_true flag
             argv += [action.option_strings[0]] if value else []
+        elif isinstance(value, tuple):  # a comma-separated list (--prompt-kinds)
+            argv += [action.option_strings[0], ",".join(value)]
         elif value is not None:
             argv += [action.option_strings[0], str(value)]
     name, overrides = spec

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flashdraft.bench.provenance import machine_name
 from flashdraft.errors import FlashdraftError
 
 RACE_SIDES = ("flashdraft", "specforge")
@@ -63,7 +64,12 @@ def race_inputs(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     select = work / "prompts" / "select.jsonl"  # both sides' checkpoints are chosen on the same prompts
     if flags.get("select_prompts") and select.is_file():
         data["select_prompts"] = hashlib.sha256(select.read_bytes()).hexdigest()
-    return {"settings": {flag: flags[flag] for flag in SHARED_FLAGS}, "data_manifest_sha256": data}
+    return {
+        "settings": {flag: flags[flag] for flag in SHARED_FLAGS},
+        "data_manifest_sha256": data,
+        # equal GPU-minutes are equal budgets only on the same kind of GPU
+        "device": machine_name(),
+    }
 
 
 def earlier_side(path: Path, wanted_side: str, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +91,12 @@ def earlier_side(path: Path, wanted_side: str, inputs: dict[str, Any]) -> dict[s
         raise FlashdraftError(f"{where}: its {wanted_side} side did not finish (complete is false)")
     theirs = earlier["race_inputs"]
     their_settings, their_data = theirs.get("settings", {}), theirs.get("data_manifest_sha256", {})
+    their_device = theirs.get("device") or earlier.get("device")
+    if their_device != inputs["device"]:
+        raise FlashdraftError(
+            f"{where}: its {wanted_side} side trained on {their_device}, this call runs on {inputs['device']}: "
+            "the same GPU-minutes on another kind of GPU are another budget; train both sides on one kind"
+        )
     for flag, value in inputs["settings"].items():
         theirs_value = their_settings.get(flag, SHARED_FLAG_BEFORE.get(flag))
         if theirs_value != value:

@@ -187,6 +187,13 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
     other_select["race_inputs"]["data_manifest_sha256"]["select_prompts"] = "0" * 64
     (tmp_path / "other-select.json").write_text(json.dumps(other_select))
     refused(["--race-with", str(tmp_path / "other-select.json")], r"its selection prompts are not these")
+    elsewhere = json.loads(first.read_text())
+    elsewhere["race_inputs"]["device"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "elsewhere.json").write_text(json.dumps(elsewhere))
+    refused(
+        ["--race-with", str(tmp_path / "elsewhere.json")],
+        r"its flashdraft side trained on NVIDIA H100 80GB HBM3, this call runs on cpu .*train both sides on one kind",
+    )
     dflash_half = [*rest, "--race-with", str(first)]
     dflash_half[dflash_half.index("--race-arch") + 1] = "dflash"
     with pytest.raises(
