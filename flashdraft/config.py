@@ -305,7 +305,8 @@ class TrainConfig:
         False,
         "Cross-entropy's two passes over each chunk of logits (the row reduction, the gradient) as two Triton "
         "kernels instead of inductor's (train/loss_kernels.py, docs/fp8.md). CUDA, train.loss=ce, DFlash "
-        "drafters (not the DFlash2 selector's top-k). Off until measured on a GPU.",
+        "drafters (not the DFlash2 selector's top-k). On an H100 at shape (a) its kernels take 2.3 ms a step "
+        "where inductor's take 6.0, a 1.6% faster FP8 step; off until a whole run has trained with it.",
     )
     attention: str = doc("auto", "'auto' (flex on GPU, sdpa on CPU), 'flex' or 'sdpa'.")
     compile: bool = doc(
