@@ -49,14 +49,15 @@
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
 #          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each;
 #          16 other held-out prompts choose each side's checkpoint, `race.selected`); RACE_PROMPTS (default 2000)
-#          answers to train on (2,000 make a 13 MB race-TARGET-data.tar; past ~9,000 it outgrows a call's 64 MiB
-#          carry, so run both sides on one warm machine); RACE_KINDS (default docs; docs,code: ~28,000 prompts
+#          answers to train on (2,000 make a 1.7 MB race-TARGET-data.tar.gz: its token ids and journal compress
+#          ~8x, so even ~28,000 answers travel in one call); RACE_KINDS (default docs; docs,code: ~28,000 prompts
 #          where the docstrings give ~10,800); RACE_ARCH=dflash2: flashdraft's side grafted onto DFlash2
 #          (both sides of one race must say the same); TARGET=gemma3 after gemma-setup
 #          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
-#          also returns race-TARGET-data.tar (the shards and prompts); the next session carries it and the
-#          result as .real/race-TARGET-data.tar and .real/race-TARGET-half.json, and `SIDE=<the other> race`
-#          trains on those shards and merges the halves (--reuse-data --race-with). On the same warm machine
+#          also returns race-TARGET-data.tar.gz (the shards and prompts; in 15 MiB parts .partNN past what one
+#          returned file may hold); the next session carries it (or its parts) and the result as .real/ and
+#          .real/race-TARGET-half.json, and `SIDE=<the other> race` trains on those shards and merges the
+#          halves (--reuse-data --race-with; the same kind of GPU, or the merge is refused). On the same warm machine
 #          nothing need be carried: `SIDE=flashdraft race`, race-wait, then `SIDE=specforge race`, race-wait
 #          (about 10 minutes a side for 5-minute budgets; a machine taken back between the sides leaves
 #          the first half and its shards here, for a later session)
@@ -156,11 +157,14 @@ case "$part" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/specforge-*.whl || exit 1
     case "${TARGET:-smollm2}" in smollm2) tdir=$REAL/smollm2 ;; gemma3) tdir=$REAL/gemma3 ;; *) echo "TARGET?"; exit 1 ;; esac
     # SIDE=flashdraft|specforge: one side (race-wait then brings back its data and result for the other
-    # side's call in a later session); with .real/race-TARGET-data.tar and .real/race-TARGET-half.json carried,
-    # the other side trains on those shards and the halves merge into one race (--race-with)
-    w=$REAL/race-${TARGET:-smollm2} half=""
-    if [ -f .real/race-${TARGET:-smollm2}-data.tar ]; then
-      mkdir -p $w && tar -xf .real/race-${TARGET:-smollm2}-data.tar -C $w || exit 1
+    # side's call in a later session); with .real/race-TARGET-data.tar.gz (or its .partNN pieces; an older
+    # uncompressed .tar too) and .real/race-TARGET-half.json carried, the other side trains on those shards
+    # and the halves merge into one race (--race-with)
+    w=$REAL/race-${TARGET:-smollm2} half="" data=.real/race-${TARGET:-smollm2}-data.tar
+    carried=$(ls $data.gz $data.gz.part* $data 2>/dev/null | head -1)
+    if [ -n "$carried" ]; then
+      mkdir -p $w
+      case "$carried" in *.part*) cat $data.gz.part* | tar -xz -C $w ;; *) tar -xf "$carried" -C $w ;; esac || exit 1
       half="--reuse-data --race-with $PWD/.real/race-${TARGET:-smollm2}-half.json"
     elif [ "${SIDE:-both}" != both ] && [ -f $w-half.json ]; then
       # the other side finished earlier on this machine (race-wait kept its result): train on its shards
@@ -178,9 +182,13 @@ case "$part" in
     cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40
     if [ "${SIDE:-both}" != both ]; then
       # a one-sided race's shards and prompts, for the other side's call in a later session (carried back as
-      # .real/race-TARGET-data.tar); and its finished result kept on this machine, where `SIDE=<the other>
-      # race` finds it when nothing is carried (the first half only: the second side's file is the merged race)
-      tar -cf "$out/race-${TARGET:-smollm2}-data.tar" -C $r data prompts && ls -la "$out"
+      # .real/race-TARGET-data.tar.gz, or its parts: a returned file holds at most 16 MiB); and its finished
+      # result kept on this machine, where `SIDE=<the other> race` finds it when nothing is carried (the first
+      # half only: the second side's file is the merged race)
+      gz="$out/race-${TARGET:-smollm2}-data.tar.gz"
+      tar -czf "$gz" -C $r data prompts
+      [ "$(stat -c %s "$gz")" -gt $((15 * 1024 * 1024)) ] && split -b 15M -d "$gz" "$gz.part" && rm "$gz"
+      ls -la "$out"
       finished $r.json && [ ! -f $r-half.json ] && cp $r.json $r-half.json
     fi ;;
   warm)
