@@ -41,11 +41,16 @@ def counting_batch(step: int, rows: int = 2, length: int = 256) -> TokenBatch:
 
 
 def _train(
-    target_dir: str, precision: str, recipe: str = "tensorwise", fp8_head: bool = False
+    target_dir: str,
+    precision: str,
+    recipe: str = "tensorwise",
+    fp8_head: bool = False,
+    fused_ce: bool = False,
 ) -> tuple[list[float], int, object]:
     """STEPS compiled steps (flex attention, bf16 weights with fp32 master weights: the trainer's path);
     returns the losses, the graphs compiled after the first two steps, and the drafter. `fp8_head`: the
-    loss's head GEMMs in FP8 too (train.fp8_head)."""
+    loss's head GEMMs in FP8 too (train.fp8_head); `fused_ce`: its passes between them as
+    train.fused_ce's Triton kernels."""
     drafter, target = tiny_pair(target_dir, block_size=4, num_layers=2)
     target = _bf16_target_on_gpu(target)
     with torch.no_grad():  # a head with a trained one's logit scale: the tiny drafter learns in 20 steps
@@ -59,7 +64,10 @@ def _train(
         num_anchors=16,
         gamma=3.0,
         loss=WeightedHeadLoss(
-            chunk=128, head=float8_head(target.lm_head_weight) if fp8_head else None, compile=True
+            chunk=128,
+            head=float8_head(target.lm_head_weight) if fp8_head else None,
+            compile=True,
+            fused=fused_ce,
         ),
         attention="flex",
         autocast_dtype=placement.autocast_dtype,
@@ -100,6 +108,22 @@ def test_fp8_converts_trains_compiled_without_recompiles_and_tracks_bf16(qwen3_t
         assert gaps[0] < (0.02 if fp8_head else 0.01), (recipe, fp8_head, fp8, bf16)
         assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.15, (recipe, fp8_head, fp8, bf16)
         assert fp8[-1] < 0.5 * fp8[0], (recipe, fp8)
+
+
+@pytest.mark.parametrize(("precision", "fp8_head"), [("bf16", False), ("fp8", True)])
+def test_fused_ce_trains_like_the_compiled_loss(qwen3_target, precision, fp8_head):
+    """train.fused_ce over whole training steps, not the loss rows alone: the same curve as the compiled
+    chunk function's (the kernels' rows equal its rows to bf16 rounding), no graph compiled after warm-up."""
+    compiled, _, _ = _train(qwen3_target, precision, fp8_head=fp8_head)
+    torch._dynamo.reset()
+    counters.clear()
+    fused, recompiles, _ = _train(qwen3_target, precision, fp8_head=fp8_head, fused_ce=True)
+    assert recompiles == 0, dict(counters["stats"])
+    assert compiled[-1] < 0.5 * compiled[0], compiled  # a falling curve, so that a wrong gradient shows
+    gaps = [abs(a - b) / b for a, b in zip(fused, compiled, strict=True)]
+    assert gaps[0] < 0.01, (fused, compiled)  # one forward of the same weights
+    assert sum(gaps) / len(gaps) < 0.05 and max(gaps) < 0.15, (fused, compiled)
+    assert fused[-1] < 0.5 * fused[0], fused
 
 
 def test_fp8_head_gemms_on_the_tensor_cores_match_their_emulation():
