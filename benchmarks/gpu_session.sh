@@ -50,7 +50,7 @@
 #          same shards, both scored by flashdraft's loop and z-lab's (CURVE_POINTS, default 4, checkpoints each;
 #          16 other held-out prompts choose each side's checkpoint, `race.selected`); RACE_PROMPTS (default 2000)
 #          answers to train on (2,000 make a 1.7 MB race-TARGET-data.tar.gz: its token ids and journal compress
-#          ~8x, so even ~28,000 answers travel in one call); RACE_KINDS (default docs; docs,code: ~28,000 prompts
+#          ~8x, so ~28,000 answers should travel in one call); RACE_KINDS (default docs; docs,code: ~28,000 prompts
 #          where the docstrings give ~10,800); RACE_ARCH=dflash2: flashdraft's side grafted onto DFlash2
 #          (both sides of one race must say the same); TARGET=gemma3 after gemma-setup
 #          SIDE=flashdraft or specforge trains one side (two 15-minute budgets outlast a session): race-wait then
