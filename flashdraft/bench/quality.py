@@ -59,7 +59,7 @@ from flashdraft.bench.race_sides import (
 )
 from flashdraft.config import Sampling, block_size_value, load_config, non_negative_int, positive_int
 from flashdraft.data.prepare import PrepareSettings, prepare
-from flashdraft.data.stdlib_prompts import PROMPT_KINDS, write_prompt_files
+from flashdraft.data.stdlib_prompts import write_prompt_files, wrong_prompt_kinds
 from flashdraft.devices import resolve_device
 from flashdraft.durable import atomic_write_bytes, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
@@ -98,11 +98,9 @@ def positive_float(text: str) -> float:
 
 def prompt_kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
-    unknown = [k for k in kinds if k not in PROMPT_KINDS]
-    if unknown or not kinds:
-        raise argparse.ArgumentTypeError(
-            f"{', '.join(unknown) or 'none given'}: choose from {', '.join(PROMPT_KINDS)}"
-        )
+    wrong = wrong_prompt_kinds(kinds)
+    if wrong:
+        raise argparse.ArgumentTypeError(wrong)
     return kinds
 
 
@@ -189,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train on WORK/data as an earlier run prepared it (no prompts or regeneration)",
     )
+    add_comparison_flags(p)
+    p.add_argument("--force", action="store_true", help="overwrite an --out flashdraft did not write")
+    return p
+
+
+def add_comparison_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the two comparisons beside the variants: the race against SpecForge and warm start."""
     p.add_argument(
         "--against",
         choices=("specforge",),
@@ -231,8 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tuned from it on the training data ('warm') beside a fresh drafter ('fresh'), --gpu-minutes "
         "each, both scored by the same evaluators",
     )
-    p.add_argument("--force", action="store_true", help="overwrite an --out flashdraft did not write")
-    return p
 
 
 def variant_spec(text: str) -> tuple[str, list[str]]:
@@ -717,11 +720,15 @@ def epochs_per_step(batch_size: int, data: dict[str, Any]) -> float | None:
 
 
 def race_summary(
-    variants: dict[str, dict[str, Any]], initial: Path, per_step: float | None = None
+    variants: dict[str, dict[str, Any]],
+    initial: Path,
+    per_step: float | None = None,
+    arch: str = "dflash",
 ) -> dict[str, Any] | None:
     """The race's verdict: flashdraft's final τ over SpecForge's (ours and z-lab's loop), per position.
     With `per_step` (the epochs one step trains: its samples over the training samples), also the epochs
-    each side trained: a budget that outruns the data measures memorising (docs/quality-benchmark.md)."""
+    each side trained: a budget that outruns the data measures memorising (docs/quality-benchmark.md).
+    `arch`: --race-arch, which both halves of a split race share (race_sides.SHARED_FLAGS)."""
     ours, theirs = variants.get("flashdraft"), variants.get("specforge")
     if not (ours and theirs and ours.get("final") and theirs.get("final")):
         return None
@@ -729,8 +736,7 @@ def race_summary(
     summary = {
         "against": "specforge",
         "initial_drafter": str(initial),
-        # --race-arch, as the flashdraft side's own record says (it may come from an earlier call)
-        "flashdraft_arch": "dflash2" if "model.arch=dflash2" in ours.get("overrides", ()) else "dflash",
+        "flashdraft_arch": arch,
         "tau": {"flashdraft": a["tau"], "specforge": b["tau"]},
         "tau_ratio": a["tau"] / b["tau"],
         "acceptance_by_position": {
@@ -1094,6 +1100,7 @@ def assemble(
             variants,
             Path(args.work) / "race" / "initial-drafter",
             per_step=epochs_per_step(args.batch_size, prepared["data"]),
+            arch=args.race_arch,
         )
         if args.against
         else None,

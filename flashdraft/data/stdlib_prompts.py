@@ -105,15 +105,21 @@ def _documented(tree: ast.Module) -> list[tuple[str, str, str]]:
     return found
 
 
+def wrong_prompt_kinds(kinds: tuple[str, ...]) -> str | None:
+    """What is wrong with `kinds` (PROMPT_KINDS, at least one), or None."""
+    unknown = [k for k in kinds if k not in PROMPT_KINDS]
+    if unknown or not kinds:
+        return f"{', '.join(unknown) or 'none given'}: choose from {', '.join(PROMPT_KINDS)}"
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def stdlib_prompts(root: Path | None = None, kinds: tuple[str, ...] = ("docs",)) -> tuple[Prompt, ...]:
     """Every prompt of `kinds` (PROMPT_KINDS) the library gives, deduplicated, in a fixed order: file by
     file, a file's docstring prompts before its code questions."""
-    unknown = sorted(set(kinds) - set(PROMPT_KINDS))
-    if unknown or not kinds:
-        raise FlashdraftError(
-            f"--prompt-kinds: {', '.join(unknown) or 'none given'}; choose from {', '.join(PROMPT_KINDS)}"
-        )
+    wrong = wrong_prompt_kinds(kinds)
+    if wrong:
+        raise FlashdraftError(f"--prompt-kinds: {wrong}")
     root = root or stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1]))
     prompts, seen_docs, seen_texts = [], set(), set()
