@@ -43,7 +43,10 @@
 #          --data on the real target's regenerated shards (packing on and off), then `flashdraft train` at bench
 #          quality's settings with steps 26-30 under torch.profiler (train.profile_steps; report + trace to $OUT)
 #   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory;
-#          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag
+#          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag;
+#          issue 32's warm-up on the real widths, FP8 and the FP8 head (torchao from .whl; ~4 min):
+#          DATA_FLAGS="--samples 20000 --train-target-shape qwen3-8b --target-layers 8 --train-override
+#          train.precision=fp8 --train-override train.fp8_head=true --train-override train.num_anchors=256"
 #   race: after real-setup, issue 33's race, detached (two 5-minute budgets do not fit one call): `bench quality
 #          --against specforge` on the real target, one initial 2-layer block-8 drafter trained by flashdraft and by
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
@@ -301,6 +304,10 @@ case "$part" in
     head -3 /tmp/rt-run/profile/*.txt ;;
   data)
     # issue 12's start-to-first-step on an 800K-sample, ~1B-token shard set, `flashdraft train` on the GPU
+    case "${DATA_FLAGS:-}" in *fp8*)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
+      export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+    esac
     python3 -m flashdraft bench data --train --dir /tmp/fdb ${DATA_FLAGS:-} --out "$out/data_train_h200.json" 2>&1 \
       | grep -v -i warn | tail -12; rm -rf /tmp/fdb ;;
   quickstart-real)

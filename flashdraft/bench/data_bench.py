@@ -34,6 +34,8 @@ from flashdraft.durable import atomic_write_json
 from flashdraft.run_protocol import read_metrics
 
 VOCAB = 151_936  # Qwen3's
+# bench/shapes.py's TARGETS, named here: importing it imports torch, which the measuring child times
+TARGET_SHAPES = ("qwen3-8b", "qwen3.6-27b")
 
 
 def synthetic_samples(count: int, mean_length: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -143,6 +145,56 @@ SET_UP = re.compile(r"set up in ([0-9.]+) s")
 COMPILED = re.compile(r"step \d+: \d+ graph\(s\) compiled")  # the trainer's per-step compile report
 
 
+# What the measurement itself needs: a --train-override of these would time another thing, or nothing.
+BENCH_KEYS = (
+    "model.target",
+    "data.train",
+    "train.max_steps",
+    "train.log_every",
+    "train.out_dir",
+    "train.resume",
+)
+
+
+def _train_overrides(pairs: list[str]) -> dict[str, str]:
+    """--train-override KEY=VALUE pairs, applied over the bench's own settings; `flashdraft train` checks
+    the keys and values themselves."""
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"flashdraft bench data: --train-override {pair!r}: expected KEY=VALUE")
+        if key in BENCH_KEYS:
+            raise SystemExit(
+                f"flashdraft bench data: --train-override {key}: the bench sets it to time the first step "
+                f"(it sets {', '.join(BENCH_KEYS)})"
+            )
+        overrides[key] = value
+    return overrides
+
+
+def _random_target(root: Path, args: argparse.Namespace) -> Path:
+    """The target `flashdraft train` loads: Qwen3's vocabulary (the set's ids) with small layers, where the
+    data path dominates; or, with --train-target-shape, a random bf16 target of that model's shape
+    (--target-layers of it), where the compiles and kernels of the real widths do."""
+    if args.train_target_shape:
+        from flashdraft.bench.train_bench import save_random_target
+
+        layers = args.target_layers or "all"
+        target = root / f"target-{args.train_target_shape}-{layers}-layers"
+        if not (target / "config.json").is_file():
+            save_random_target(target, args.train_target_shape, args.target_layers)
+        return target
+    from flashdraft.model.tiny import save_tiny_target
+
+    # enough layers for the drafter's default feature layers (1 to L-3, one per drafter layer)
+    layers = max(2, args.drafter_layers + 3)
+    target = root / f"target-{layers}-layers"
+    if not (target / "config.json").is_file():
+        save_tiny_target(target, vocab_size=VOCAB, hidden_size=64, num_layers=layers)
+    return target
+
+
 def time_train(
     shards: Path, root: Path, target: str | None, args: argparse.Namespace, compile_cache: Path
 ) -> dict:
@@ -152,14 +204,8 @@ def time_train(
     start), `set_up_s` (the command's own set-up, from that line) and `first_step_s` (the first step, with
     the compiles it waited for, graph by graph under `compiled`). torch's compile caches are
     `compile_cache` (inductor's and Triton's)."""
-    if target is None:  # Qwen3's vocabulary (the set's ids), small layers: the data path dominates
-        from flashdraft.model.tiny import save_tiny_target
-
-        # enough layers for the drafter's default feature layers (1 to L-3, one per drafter layer)
-        layers = max(2, args.drafter_layers + 3)
-        target = str(root / f"target-{layers}-layers")
-        if not (Path(target) / "config.json").is_file():
-            save_tiny_target(target, vocab_size=VOCAB, hidden_size=64, num_layers=layers)
+    if target is None:
+        target = str(_random_target(root, args))
     run = root / "run"
     shutil.rmtree(run, ignore_errors=True)
     overrides = {
@@ -179,6 +225,7 @@ def time_train(
         "train.out_dir": run,
         "train.resume": "never",
     }
+    overrides.update(_train_overrides(args.train_override))
     command = [sys.executable, "-m", "flashdraft", "train", *(f"{k}={v}" for k, v in overrides.items())]
     caches = {
         "TORCHINDUCTOR_CACHE_DIR": str(compile_cache),
@@ -244,9 +291,30 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_NUM_LAYERS,
         help=f"with --train: the drafter's layers (default {DEFAULT_NUM_LAYERS}, a new drafter's default)",
     )
+    parser.add_argument(
+        "--train-target-shape",
+        choices=TARGET_SHAPES,
+        default=None,
+        help="with --train: a random bf16 target of this model's shape, written under --dir (the widths "
+        "the compiles and kernels see; the default is a small random target)",
+    )
+    parser.add_argument(
+        "--target-layers", type=int, default=None, help="with --train-target-shape: fewer target layers"
+    )
+    parser.add_argument(
+        "--train-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --train: one more `flashdraft train` override (repeatable), over the bench's own, "
+        "e.g. train.precision=fp8",
+    )
     parser.add_argument("--out", default=None, help="write the result JSON here")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # the measuring child process
     args = parser.parse_args(argv)
+    if args.train_target and args.train_target_shape:
+        parser.error("--train-target and --train-target-shape name two targets: give one")
+    _train_overrides(args.train_override)  # a bad pair is refused before the set is written
     if args.measure:
         result = measure(Path(args.measure), args.batch_size, args.world_size, args.max_length, args.calls)
         print(json.dumps(result))
