@@ -45,8 +45,9 @@
 #   data: flashdraft bench data --train (800K samples, ~1B tokens): train start to first step, peak memory;
 #          DATA_FLAGS="--drafter-layers 1" for the 1-layer drafter of the results before the flag;
 #          issue 32's warm-up on the real widths, FP8 and the FP8 head (torchao from .whl; ~4 min):
-#          DATA_FLAGS="--samples 20000 --train-target-shape qwen3-8b --target-layers 8 --train-override
-#          train.precision=fp8 --train-override train.fp8_head=true --train-override train.num_anchors=256"
+#          DATA_FLAGS="--samples 20000 --mean-length 768 --max-length 768 --batch-size 2 --train-target-shape
+#          qwen3-8b --target-layers 8 --train-override train.num_anchors=256 --train-override train.loss_chunk=2048
+#          --train-override train.precision=fp8 --train-override train.fp8_head=true" (shape (a)'s rows)
 #   race: after real-setup, issue 33's race, detached (two 5-minute budgets do not fit one call): `bench quality
 #          --against specforge` on the real target, one initial 2-layer block-8 drafter trained by flashdraft and by
 #          SpecForge 0.2.0's own training code (.whl/specforge-*.whl, --no-deps) for MINUTES (default 5) each on the
