@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.train_target and args.train_target_shape:
         parser.error("--train-target and --train-target-shape name two targets: give one")
+    if args.target_layers is not None and not args.train_target_shape:
+        parser.error("--target-layers cuts the target of --train-target-shape: give that too")
     _train_overrides(args.train_override)  # a bad pair is refused before the set is written
     if args.measure:
         result = measure(Path(args.measure), args.batch_size, args.world_size, args.max_length, args.calls)

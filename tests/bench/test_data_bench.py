@@ -56,6 +56,12 @@ def test_train_overrides_are_pairs_and_leave_the_bench_keys_alone():
         main(["bench", "data", "--train", "--train-override", "data.train=[x]", "--samples", "10"])
 
 
+def test_target_layers_without_a_target_shape_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "data", "--train", "--target-layers", "8", "--samples", "10"])
+    assert "--target-layers cuts the target of --train-target-shape" in capsys.readouterr().err
+
+
 def test_the_shapes_bench_data_names_are_the_benchmarks_targets():
     from flashdraft.bench.data_bench import TARGET_SHAPES
     from flashdraft.bench.shapes import TARGETS
