@@ -7,7 +7,7 @@ tensor, `tensorwise`, or one per row, `rowwise`) and multiplies them on the FP8 
 does the same for both gradient GEMMs. The weights stay bf16 parameters, so the optimizer's fp32 master
 weights, gradient clipping and checkpoints see the drafter they always see, and the state dict keeps its
 keys. The drafter's fused projections (q/k/v, gate/up: model/drafter.py::fused_linear) take the converted
-layer's GEMM from its `fused_gemm` attribute, set here.
+layer's GEMM from its `fused_gemm` method (a subclass of Float8Linear, swapped in here).
 
 `train.fp8_head` also runs the loss's two GEMMs through the frozen LM head in FP8 (`Float8Head`, a
 `train/loss.py::HeadGemm`): the head is cast to e4m3 once (it does not train), each chunk's rows to e4m3
@@ -107,9 +107,38 @@ def _float8_gemm(
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def _float8_forward(layer: nn.Module, x: Tensor) -> Tensor:
-    """A converted layer's forward: its own weight through `_float8_gemm`."""
-    return layer.fused_gemm(x, [layer.weight], layer.bias)
+@functools.cache
+def _fused_cast_linear(float8_linear: type) -> type:
+    """torchao's Float8Linear with this module's GEMM path as methods: `fused_gemm` (`_float8_gemm` with
+    the layer's casts, also for the fused projections' concatenated weights) and a `forward` that takes it,
+    so that the layer's own call makes its casts once too (torchao's forward casts its input and weight again
+    in the backward).
+
+    Methods, not per-layer attributes: torch.compile guards on the identity of a function stored on a module
+    instance, so a `functools.partial` per layer (as before) compiled every drafter layer as its own graph,
+    five compiles of the first step instead of one. The cast functions stored on the layers are the same
+    objects for all of them (one conversion makes them), so one graph serves every layer."""
+
+    class FusedCastFloat8Linear(float8_linear):
+        fp8_apply: object  # torchao's autograd matmul (`apply`)
+        fp8_cast_weight: object  # `_fused_weight_cast`'s function, or None
+        fp8_cast_input: object  # `_input_cast`'s function, or None
+
+        def fused_gemm(self, x: Tensor, weights: list[Tensor], bias: Tensor | None) -> Tensor:
+            return _float8_gemm(
+                x,
+                weights,
+                bias,
+                layer=self,
+                apply=self.fp8_apply,
+                cast_weight=self.fp8_cast_weight,
+                cast_input=self.fp8_cast_input,
+            )
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.fused_gemm(x, [self.weight], self.bias)
+
+    return FusedCastFloat8Linear
 
 
 def _tensorwise_dtype(*casts) -> torch.dtype | None:
@@ -199,14 +228,15 @@ def convert_to_float8(
 
     float8.convert_to_float8_training(drafter, module_filter_fn=wanted, config=config)
     cast_weight, cast_input = _fused_weight_cast(config), _input_cast(config)
+    fused_cast_linear = _fused_cast_linear(float8_linear)
     for module in drafter.modules():
         if isinstance(module, float8_linear):
-            module.fused_gemm = functools.partial(
-                _float8_gemm, layer=module, apply=matmul.apply, cast_weight=cast_weight, cast_input=cast_input
+            module.__class__ = fused_cast_linear  # the same module and state; the GEMM path above
+            module.fp8_apply, module.fp8_cast_weight, module.fp8_cast_input = (
+                matmul.apply,
+                cast_weight,
+                cast_input,
             )
-            # the layer's own call takes the same path, so that its casts are made once too (torchao's
-            # forward would cast its input and weight again in the backward)
-            module.forward = functools.partial(_float8_forward, module)
     return converted
 
 

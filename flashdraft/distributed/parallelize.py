@@ -335,6 +335,24 @@ def block_input_needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> tupl
 _RECOMPILE_BUDGETS: dict[str, int] = {}
 
 
+@functools.cache
+def _checkpointed(layer_class: type) -> type:
+    """`layer_class` whose forward recomputes its activations in the backward (train.activation_checkpointing).
+
+    A subclass, swapped in as the layer's class, so that the state dict and every attribute stay the
+    layer's own. Not a `functools.partial` stored as each layer's `forward`: torch.compile guards on the
+    identity of a function stored on a module instance, which compiled one graph per layer, and the
+    compiled layer call found no frame to compile in a partial of `checkpoint` (torch 2.13). Inside the
+    compiled layer, `checkpoint` becomes dynamo's activation-checkpoint region."""
+
+    class Checkpointed(layer_class):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{layer_class.__name__}"
+    return Checkpointed
+
+
 def guard_compile(num_layers: int, *, owner: str = "drafter") -> None:
     """Make every silent compile degradation loud (docs/processes.md). `num_layers`: the layers (or layer
     kinds) of `owner` sharing one compiled code object; the recompile limit allows each its
@@ -743,9 +761,9 @@ def parallelize(
         # tokens: the weight-gradient GEMMs need no padding copies (distributed/float8.py::float8_config).
         aligned = compile and drafter.block_size % 16 == 0
         convert_to_float8(drafter, fp8_recipe, pad_inner_dim=not aligned)
-    for layer in drafter.layers:
-        if activation_checkpointing:
-            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    if activation_checkpointing:
+        for layer in drafter.layers:
+            layer.__class__ = _checkpointed(type(layer))
     if compile:
         compile_drafter(drafter)
     parallel = apply_data_parallel(

@@ -53,8 +53,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def fused_linear(x: Tensor, linears: Sequence[nn.Linear]) -> Tensor:
     """One GEMM for several linear layers over the same input (a wider N runs closer to the matmul
     ceiling); each layer keeps its own weight, so checkpoint names and gradients are unchanged. Layers
-    converted for FP8 training carry the GEMM to use as `fused_gemm` (distributed/float8.py), which takes
-    the weights apart."""
+    converted for FP8 training carry the GEMM to use as their `fused_gemm` method (distributed/float8.py),
+    which takes the weights apart."""
     bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
     fp8_gemm = getattr(linears[0], "fused_gemm", None)
     if fp8_gemm is not None:  # the weights apart: it casts their concatenation from each one's amax

@@ -129,7 +129,10 @@ def test_recompile_storm_is_an_error_not_a_fallback(qwen3_target):
             objective(token_batch([length], prompt_lengths=[4]).to(CUDA))
 
 
-def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target, checkpointing):
+    """The compiled trainer (flex attention, bf16), also with train.activation_checkpointing: the two
+    drafter layers share one compiled graph either way (a checkpointed layer once compiled nothing)."""
     from flashdraft.config import load_config
     from flashdraft.train.trainer import train
 
@@ -161,6 +164,7 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
                 "train.num_anchors=32",
                 "train.batch_size=2",
                 "train.resume=never",
+                f"train.activation_checkpointing={str(checkpointing).lower()}",
             ],
         )
     )
@@ -170,6 +174,7 @@ def test_trainer_runs_compiled_with_flex_in_bf16(tmp_path, qwen3_target):
     assert any("mfu" in r for r in train_rows)
     (compiled,) = [r for r in rows if r["kind"] == "compile"]  # step 1's graphs, each with its stages
     assert compiled["step"] == 1 and {g["name"] for g in compiled["graphs"]} >= {"forward", "chunk_rows"}
+    assert [g["name"] for g in compiled["graphs"]].count("forward") == 1, compiled["graphs"]
     assert all(g["phases"]["forward.dynamo_cumulative_compile_time"] > 0 for g in compiled["graphs"])
 
 
