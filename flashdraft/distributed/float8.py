@@ -109,7 +109,7 @@ def _float8_gemm(
 
 @functools.cache
 def _fused_cast_linear(float8_linear: type) -> type:
-    """torchao's Float8Linear with this module's GEMM path as methods: `fused_gemm` (`_float8_gemm` with
+    """torchao's Float8Linear with flashdraft's GEMM path as methods: `fused_gemm` (`_float8_gemm` with
     the layer's casts, also for the fused projections' concatenated weights) and a `forward` that takes it,
     so that the layer's own call makes its casts once too (torchao's forward casts its input and weight again
     in the backward).
@@ -228,15 +228,13 @@ def convert_to_float8(
 
     float8.convert_to_float8_training(drafter, module_filter_fn=wanted, config=config)
     cast_weight, cast_input = _fused_weight_cast(config), _input_cast(config)
-    fused_cast_linear = _fused_cast_linear(float8_linear)
+    fused_cast_linear, apply = _fused_cast_linear(float8_linear), matmul.apply  # one object for all layers
     for module in drafter.modules():
         if isinstance(module, float8_linear):
             module.__class__ = fused_cast_linear  # the same module and state; the GEMM path above
-            module.fp8_apply, module.fp8_cast_weight, module.fp8_cast_input = (
-                matmul.apply,
-                cast_weight,
-                cast_input,
-            )
+            module.fp8_apply = apply
+            module.fp8_cast_weight = cast_weight
+            module.fp8_cast_input = cast_input
     return converted
 
 
