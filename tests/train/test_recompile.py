@@ -60,8 +60,8 @@ def _step_gradients(objective: Objective) -> tuple[float, list[torch.Tensor]]:
 
 
 def _three_layer_objective(target_dir: str, *, checkpointed: bool = False, fp8: bool = False, compile: bool):
-    """A 3-layer drafter (at most every feature layer of the tiny target) as parallelize prepares it:
-    FP8-converted (casts emulated on the CPU) and/or each layer checkpointed, then compiled per layer."""
+    """A 3-layer drafter as parallelize prepares it: FP8-converted (casts emulated on the CPU) and/or each
+    layer checkpointed, then, with `compile`, compiled per layer."""
     from flashdraft.distributed.float8 import convert_to_float8
     from flashdraft.distributed.parallelize import _checkpointed
 
