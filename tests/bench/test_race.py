@@ -200,9 +200,8 @@ def test_a_race_split_over_two_calls_is_one_race_and_refuses_halves_of_another(t
         FlashdraftError, match=r"another race: --race-arch was 'dflash2' there, 'dflash' here"
     ):
         run_quality(build_parser().parse_args(dflash_half), [])
-    older = json.loads(
-        first.read_text()
-    )  # written before --race-arch existed: its flashdraft side was DFlash
+    # a half written before --race-arch existed: its flashdraft side was DFlash
+    older = json.loads(first.read_text())
     del older["race_inputs"]["settings"]["race_arch"]
     (tmp_path / "older.json").write_text(json.dumps(older))
     refused(["--race-with", str(tmp_path / "older.json")], r"--race-arch was 'dflash' there, 'dflash2' here")
