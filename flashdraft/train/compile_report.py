@@ -10,6 +10,7 @@ backward, which carries its forward's compile id but no name.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # The stages of one compile as dynamo times them, outermost first; each includes the ones after it
@@ -36,6 +37,7 @@ class CompiledGraph:
     backward_s: float  # inductor's compile of the backward, at the first backward
     kernels_s: float  # of both: Triton's kernel builds
     phases: dict[str, float] = field(default_factory=dict)  # "forward.<PHASES entry>" and "backward.…", s
+    code: str = ""  # the compiled function's "file:first line" (`code_of`): two functions of one name apart
 
 
 def _records() -> list:
@@ -66,6 +68,8 @@ def graphs_compiled_since(since: float) -> list[CompiledGraph]:
         forward = getattr(record, "is_forward", True)
         if forward:
             graph.name = record.co_name or graph.name
+            filename, line = getattr(record, "co_filename", None), getattr(record, "co_firstlineno", None)
+            graph.code = f"{filename}:{line}" if filename else graph.code
             graph.forward_s += _seconds(record, "entire_frame_compile_time") or 0.0
         else:
             graph.backward_s += _seconds(record, "inductor_compile_time") or 0.0
@@ -89,6 +93,30 @@ def describe(graphs: list[CompiledGraph], step_seconds: float) -> str:
     return (
         f"{len(graphs)} graph(s) compiled in {total:.1f} s of the step's {step_seconds:.1f} s "
         f"(Triton kernel builds {kernels:.1f} s of it): " + ", ".join(parts)
+    )
+
+
+def code_of(function: Callable) -> str:
+    """A function's "file:first line", as `CompiledGraph.code` names the function a graph compiled."""
+    code = function.__code__
+    return f"{code.co_filename}:{code.co_firstlineno}"
+
+
+def repeated_layer_graphs(
+    graphs: list[CompiledGraph], layer_forward: Callable, layers: int, kinds: int
+) -> str | None:
+    """A warning, or None: layers of one class, which share `layer_forward`'s compiled graphs, compiled more
+    of them in one step than they have kinds. A step compiles each kind once at most (training, an
+    evaluation, a new batch shape come in different steps), so more means a guard particular to each layer
+    instance (a function or a value stored on it) and one compile per layer: stop 63's FP8 drafter compiled
+    its layer five times in the first step, silently, until the warm-up was timed (docs/fp8.md)."""
+    count = sum(1 for g in graphs if g.code == code_of(layer_forward))
+    if count <= kinds:
+        return None
+    return (
+        f"the drafter's {layers} layers compiled {count} graphs of {layer_forward.__qualname__} in this step "
+        f"where their {kinds} layer kind(s) share one graph each: something stored on each layer instance "
+        "makes torch.compile guard on it, and every extra graph adds its compile time to the warm-up"
     )
 
 

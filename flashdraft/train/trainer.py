@@ -271,14 +271,25 @@ class Trainer:
         stopping = stopping or (asked and not over_budget)
         compiled = self.state.clock.compiling()
         step_seconds = self.state.clock.stop()
-        if compiled:  # where a compiling step's time went, graph by graph (train/compile_report.py)
-            graphs = compile_report.graphs_compiled_since(timer.compiles_since)
-            if graphs:
-                self.say(f"step {self.state.step}: " + compile_report.describe(graphs, step_seconds))
-                if self.logger is not None:  # each graph's compile stages, for whoever asks why it was slow
-                    graph_records = [dataclasses.asdict(g) for g in graphs]
-                    self.logger.log(self.state.step, {"graphs": graph_records}, kind="compile", console=False)
+        if compiled:
+            self.report_compiles(timer, step_seconds)
         return stopping
+
+    def report_compiles(self, timer: StepTimer, step_seconds: float) -> None:
+        """Where a compiling step's time went, graph by graph (train/compile_report.py), and a warning where
+        the drafter's layers compiled one graph each instead of one per kind."""
+        graphs = compile_report.graphs_compiled_since(timer.compiles_since)
+        if not graphs:
+            return
+        self.say(f"step {self.state.step}: " + compile_report.describe(graphs, step_seconds))
+        layers = self.drafter.layers
+        kinds = len(set(self.drafter.layer_kinds()))
+        repeated = compile_report.repeated_layer_graphs(graphs, type(layers[0]).forward, len(layers), kinds)
+        if repeated:
+            self.say(f"step {self.state.step}: warning: {repeated}")
+        if self.logger is not None:  # each graph's compile stages, for whoever asks why it was slow
+            graph_records = [dataclasses.asdict(g) for g in graphs]
+            self.logger.log(self.state.step, {"graphs": graph_records}, kind="compile", console=False)
 
     # ------------------------------------------------------------------ after the step
 

@@ -59,9 +59,17 @@ def _step_gradients(objective: Objective) -> tuple[float, list[torch.Tensor]]:
     return float(loss.detach()), [p.grad.clone() for p in objective.drafter.parameters()]
 
 
-def _three_layer_objective(target_dir: str, *, checkpointed: bool = False, fp8: bool = False, compile: bool):
+def _three_layer_objective(
+    target_dir: str,
+    *,
+    checkpointed: bool = False,
+    fp8: bool = False,
+    per_layer_value: bool = False,
+    compile: bool,
+):
     """A 3-layer drafter as parallelize prepares it: FP8-converted (casts emulated on the CPU) and/or each
-    layer checkpointed, then, with `compile`, compiled per layer."""
+    layer checkpointed, then, with `compile`, compiled per layer. `per_layer_value`: each layer's attention
+    scale differs a little, a value torch.compile guards on, so that each layer compiles its own graph."""
     from flashdraft.distributed.float8 import convert_to_float8
     from flashdraft.distributed.parallelize import _checkpointed
 
@@ -71,6 +79,9 @@ def _three_layer_objective(target_dir: str, *, checkpointed: bool = False, fp8: 
     if checkpointed:
         for layer in drafter.layers:
             layer.__class__ = _checkpointed(type(layer))
+    if per_layer_value:
+        for index, layer in enumerate(drafter.layers):
+            layer.self_attn.scale *= 1 + 1e-3 * index
     if compile:
         compile_drafter(drafter)
     return Objective(
@@ -107,3 +118,28 @@ def test_every_drafter_layer_shares_one_compiled_graph(qwen3_target, variant):
     tolerance = 0.05 if variant == "fp8" else 1e-4  # FP8 against itself; against bf16 up to 0.35
     for got, want in zip(compiled_grads, grads, strict=True):
         assert float((got - want).norm() / want.norm()) < tolerance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_layer_value", [False, True])
+def test_the_trainer_warns_where_each_layer_compiles_its_own_graph(qwen3_target, per_layer_value):
+    """The check the trainer runs after each compiling step (Trainer.report_compiles): silent where the
+    layers share their graph, a warning naming the count where a value stored on each layer made
+    torch.compile build one graph per layer (stop 63's FP8 layers did, unnoticed, for a slower warm-up)."""
+    from flashdraft.model.drafter import DrafterLayer
+    from flashdraft.train import compile_report
+
+    torch._dynamo.reset()
+    objective = _three_layer_objective(qwen3_target, per_layer_value=per_layer_value, compile=True)
+    since = compile_report.now()
+    _step_gradients(objective)
+    graphs = compile_report.graphs_compiled_since(since)
+    layers = objective.drafter.layers
+    assert sum(g.code == compile_report.code_of(DrafterLayer.forward) for g in graphs) == (
+        3 if per_layer_value else 1
+    )
+    warning = compile_report.repeated_layer_graphs(graphs, type(layers[0]).forward, len(layers), kinds=1)
+    if per_layer_value:
+        assert warning is not None and "3 layers compiled 3 graphs of DrafterLayer.forward" in warning
+    else:
+        assert warning is None
