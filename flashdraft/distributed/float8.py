@@ -19,7 +19,6 @@ this head, outside autograd, is not).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 from torch import Tensor, nn
@@ -107,32 +106,29 @@ def _float8_gemm(
     return out if bias is None else out + bias.to(out.dtype)
 
 
-@functools.cache
-def _fused_cast_linear(float8_linear: type) -> type:
+def _fused_cast_linear(float8_linear: type, matmul: type, cast_weight, cast_input) -> type:
     """torchao's Float8Linear with flashdraft's GEMM path as methods: `fused_gemm` (`_float8_gemm` with
-    the layer's casts, also for the fused projections' concatenated weights) and a `forward` that takes it,
-    so that the layer's own call makes its casts once too (torchao's forward casts its input and weight again
-    in the backward).
+    the conversion's casts, also for the fused projections' concatenated weights) and a `forward` that takes
+    it, so that the layer's own call makes its casts once too (torchao's forward casts its input and weight
+    again in the backward). `matmul` is torchao's autograd matmul; `cast_weight` (`_fused_weight_cast`) and
+    `cast_input` (`_input_cast`) may be None.
 
-    Methods, not per-layer attributes: torch.compile guards on the identity of a function stored on a module
-    instance, so a `functools.partial` per layer (as before) compiled every drafter layer as its own graph,
-    five compiles of the first step instead of one. The cast functions stored on the layers are the same
-    objects for all of them (one conversion makes them), so one graph serves every layer."""
+    One class a conversion, its functions in the methods' closure, nothing stored on a layer instance:
+    torch.compile guards on the identity of a function stored on a module instance, so a `functools.partial`
+    per layer (as before) compiled every drafter layer as its own graph, five compiles of the first step
+    instead of one; and torch 2.11's dynamo cannot call `matmul.apply` read from an instance attribute
+    (stop 64's GPU suite: "GetAttrVariable(AutogradFunctionVariable(), setup_context) has no type")."""
 
     class FusedCastFloat8Linear(float8_linear):
-        fp8_apply: object  # torchao's autograd matmul (`apply`)
-        fp8_cast_weight: object  # `_fused_weight_cast`'s function, or None
-        fp8_cast_input: object  # `_input_cast`'s function, or None
-
         def fused_gemm(self, x: Tensor, weights: list[Tensor], bias: Tensor | None) -> Tensor:
             return _float8_gemm(
                 x,
                 weights,
                 bias,
                 layer=self,
-                apply=self.fp8_apply,
-                cast_weight=self.fp8_cast_weight,
-                cast_input=self.fp8_cast_input,
+                apply=matmul.apply,
+                cast_weight=cast_weight,
+                cast_input=cast_input,
             )
 
         def forward(self, x: Tensor) -> Tensor:
@@ -227,14 +223,12 @@ def convert_to_float8(
         return False
 
     float8.convert_to_float8_training(drafter, module_filter_fn=wanted, config=config)
-    cast_weight, cast_input = _fused_weight_cast(config), _input_cast(config)
-    fused_cast_linear, apply = _fused_cast_linear(float8_linear), matmul.apply  # one object for all layers
+    fused_cast_linear = _fused_cast_linear(
+        float8_linear, matmul, _fused_weight_cast(config), _input_cast(config)
+    )  # one class for all layers
     for module in drafter.modules():
         if isinstance(module, float8_linear):
             module.__class__ = fused_cast_linear  # the same module and state; the GEMM path above
-            module.fp8_apply = apply
-            module.fp8_cast_weight = cast_weight
-            module.fp8_cast_input = cast_input
     return converted
 
 

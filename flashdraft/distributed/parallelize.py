@@ -35,7 +35,8 @@ from torch.utils.checkpoint import checkpoint
 from flashdraft.distributed.float8 import PRECISIONS, check_float8_device, convert_to_float8
 from flashdraft.distributed.target_parallel import GroupTarget
 from flashdraft.errors import FlashdraftError
-from flashdraft.model.drafter import DFlashDraftModel
+from flashdraft.model.attention import BlockMask
+from flashdraft.model.drafter import DFlashDraftModel, DrafterLayer
 from flashdraft.model.fused_decoder import (
     STEP_TOLERANCE,
     FusedProjections,
@@ -335,22 +336,35 @@ def block_input_needs_grad(module: nn.Module, args: tuple, kwargs: dict) -> tupl
 _RECOMPILE_BUDGETS: dict[str, int] = {}
 
 
-@functools.cache
-def _checkpointed(layer_class: type) -> type:
-    """`layer_class` whose forward recomputes its activations in the backward (train.activation_checkpointing).
+class CheckpointedDrafterLayer(DrafterLayer):
+    """A drafter layer whose forward recomputes its activations in the backward
+    (train.activation_checkpointing), swapped in as the layer's class, so that the state dict and every
+    attribute stay the layer's own. Inside the compiled layer, `checkpoint` becomes dynamo's
+    activation-checkpoint region.
 
-    A subclass, swapped in as the layer's class, so that the state dict and every attribute stay the
-    layer's own. Not a `functools.partial` stored as each layer's `forward`: torch.compile guards on the
-    identity of a function stored on a module instance, which compiled one graph per layer, and the
-    compiled layer call found no frame to compile in a partial of `checkpoint` (torch 2.13). Inside the
-    compiled layer, `checkpoint` becomes dynamo's activation-checkpoint region."""
+    Not a `functools.partial` stored as each layer's `forward`: torch.compile guards on the identity of a
+    function stored on a module instance, which compiled one graph per layer, and the compiled call found
+    no frame to compile in a partial of `checkpoint` (torch 2.13). Not `forward(*args, **kwargs)` either: the
+    compiled frame names its inputs by the forward's parameters, and CONTEXT_DYNAMIC_SOURCES asks for
+    `L['ctx']` and `L['mask']`, not `L['args'][1]`; under other names the layer compiled again at step 2
+    (stop 64's GPU suite, 12 s)."""
 
-    class Checkpointed(layer_class):
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
-            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
-
-    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{layer_class.__name__}"
-    return Checkpointed
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        ctx_cos: Tensor,
+        ctx_sin: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | BlockMask | None,
+        past: tuple[Tensor, Tensor] | None = None,
+        block_len: int | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        parent = super().forward
+        return checkpoint(
+            parent, x, ctx, ctx_cos, ctx_sin, cos, sin, mask, past, block_len, use_reentrant=False
+        )
 
 
 def guard_compile(num_layers: int, *, owner: str = "drafter") -> None:
@@ -763,7 +777,7 @@ def parallelize(
         convert_to_float8(drafter, fp8_recipe, pad_inner_dim=not aligned)
     if activation_checkpointing:
         for layer in drafter.layers:
-            layer.__class__ = _checkpointed(type(layer))
+            layer.__class__ = CheckpointedDrafterLayer
     if compile:
         compile_drafter(drafter)
     parallel = apply_data_parallel(
