@@ -87,7 +87,7 @@ def _float8_gemm(
     bias: Tensor | None,
     *,
     layer: nn.Module,
-    apply,
+    matmul: type,
     cast_weight=None,
     cast_input=None,
 ) -> Tensor:
@@ -102,7 +102,8 @@ def _float8_gemm(
         operand = cast_weight(weights, operand, layer)
     if cast_input is not None:
         x = cast_input(x, layer)
-    out = apply(x, operand, layer.linear_mm_config, layer.config)
+    # `matmul.apply(...)` called as a method, as torchao's own forward does: dynamo's autograd.Function path
+    out = matmul.apply(x, operand, layer.linear_mm_config, layer.config)
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -126,7 +127,7 @@ def _fused_cast_linear(float8_linear: type, matmul: type, cast_weight, cast_inpu
                 weights,
                 bias,
                 layer=self,
-                apply=matmul.apply,
+                matmul=matmul,
                 cast_weight=cast_weight,
                 cast_input=cast_input,
             )
