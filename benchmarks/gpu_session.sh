@@ -110,7 +110,7 @@
 #          on the 8B-shaped target, checkpointing every CKPT_EVERY (default 150) of CKPT_STEPS (default 450)
 #          steps: a checkpointing step's time against a plain step's, the background write's own seconds and
 #          bytes (~15 GB with fp32 masters and moments; spaced so that a save never waits on the write
-#          before it) -> $OUT/ckpt_h200.json (~4 min, most of it the random target's save and the compile)
+#          before it) -> $OUT/ckpt_CARD.json (CARD: h100 or h200, the card that ran it) (~4 min, most of it the random target's save and the compile)
 # Detached parts (race, recipe) start their job with setsid: the device machine kills every process a call
 # leaves behind in its session when the call returns (SIGKILL: no log line). nohup alone lost a whole
 # ROW=fp8 recipe that way (stop 48).
