@@ -5,6 +5,8 @@
 # ("GetAttrVariable(AutogradFunctionVariable(), setup_context) has no type"), found only by the GPU suite.
 # The same failure shows here on the CPU. Its venv is made once under VENV (default /tmp/flashdraft-torch211;
 # ~5.4 GB: torch 2.11's only build is the CUDA one, whose libraries it loads but never uses on the CPU).
+# transformers 5.17 is checked too: it builds GGUF tokenizers unlike 5.25 (docs/real-target.md, "The tokenizer
+# of a GGUF file"); the whole CPU suite under these versions is the README's test command with this venv's python.
 # Usage: bash benchmarks/torch211_cpu.sh [pytest arguments; default: the compiled paths' test files]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ fi
 default=(
   tests/train/test_recompile.py tests/distributed/test_compile_target.py tests/distributed/test_float8.py
   tests/infer/test_fast_engine_compiled.py tests/train/test_compile_report.py tests/train/test_loss_kernels.py
-  tests/train/test_losses.py tests/train/test_real_eval.py
+  tests/train/test_losses.py tests/train/test_real_eval.py tests/model/test_gguf_tokenizer.py
 )
 if [ $# -gt 0 ]; then default=("$@"); fi
 exec "$venv/bin/python" -m pytest -m "not gpu" -q -p no:cacheprovider "${default[@]}"

@@ -4,7 +4,8 @@ transformers reads a GGUF file (dequantizing its weights) but refuses to save th
 conversion rebuilds a plain model from the loaded config (without its `quantization_config`) and copies
 the weights over. `flashdraft convert` writes such a directory where the user says; a `.gguf` given as a
 target (`model.target`, `--target`) is converted once into a cache directory (`target_directory`) and
-every later load reads that directory.
+every later load reads that directory. The tokenizer written is the file's own, whichever transformers is
+installed (gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from flashdraft.durable import atomic_directory, atomic_write_json, disk_full_reason
 from flashdraft.errors import FlashdraftError
+from flashdraft.model.gguf_tokenizer import file_tokenizer
 from flashdraft.outputs import check_output_dir
 
 GGUF_MAGIC = b"GGUF"
@@ -248,7 +250,7 @@ def convert_gguf(
 
         configure_threads(threads, "cpu")
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from flashdraft.progress import track
@@ -259,7 +261,7 @@ def convert_gguf(
     with track(f"converting {gguf_file.name}", total=4, unit="stage") as bar:
         bar.advance(0, stage="reading the tokenizer")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+            tokenizer = file_tokenizer(gguf_file, label)
             bar.advance(stage="dequantizing the weights")
             loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
