@@ -32,6 +32,10 @@ GGUF_MAGIC = b"GGUF"
 MARKER_NAME = "flashdraft-gguf.json"  # in every converted directory: its source, to reuse or refuse it
 INSTALL_HINT = "pip install 'flashdraft[gguf]'"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# in every marker: a conversion written by an older rule is converted again, never reused (2: the tokenizer is
+# the file's own, gguf_tokenizer.py; before it, transformers 5.17's conversions cut Gemma 3's words into
+# characters)
+CONVERSION_RULE = 2
 
 
 def require_gguf_package() -> None:
@@ -208,6 +212,7 @@ def _source_record(gguf_file: Path, dtype: str) -> dict:
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "dtype": dtype,
+        "rule": CONVERSION_RULE,
     }
 
 
@@ -343,7 +348,8 @@ def _write_conversion(plain, tokenizer, gguf_file: Path, out: str | Path, dtype:
 
 
 def is_conversion_of(directory: Path, gguf_file: Path, dtype: str = "fp32") -> bool:
-    """`directory` holds an up-to-date conversion of `gguf_file` (same path, size and modification time)."""
+    """`directory` holds an up-to-date conversion of `gguf_file` (same path, size and modification time,
+    written by this `CONVERSION_RULE`)."""
     return (directory / "config.json").is_file() and _read_marker(directory) == _source_record(
         gguf_file, dtype
     )

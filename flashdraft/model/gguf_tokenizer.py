@@ -1,4 +1,4 @@
-"""A GGUF file's SentencePiece vocabulary as a Hugging Face tokenizer, checked against the file's own rule
+"""The tokenizer a GGUF conversion writes, the file's own whichever transformers is installed
 (docs/real-target.md, "The tokenizer of a GGUF file").
 
 A llama.cpp file of tokenizer model `llama` (SentencePiece: Gemma, Llama 2, Mistral) stores its pieces with
@@ -8,7 +8,9 @@ tokenizer from these fields itself, differently from one version to the next: 5.
 Unigram model that cuts every word into characters ("The" -> "T", "h", "e") and adds no `<bos>`; 5.25 makes
 a BPE that agrees except on runs of more than 31 spaces. Shards prepared under one version and a target
 converted under another must not disagree, so the conversion builds the tokenizer here (`spm_tokenizer`),
-the same everywhere, and checks it on a probe text against the rule written plainly (`spm_encode`).
+the same everywhere, and checks it on a probe text against the rule written plainly (`spm_encode`). A
+byte-level BPE file (`gpt2`: SmolLM2) carries its merges and keeps transformers' tokenizer, with the special
+tokens the file names (5.17 names SmolLM2's bos, `<|im_start|>`, as its eos too).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class GgufVocabulary:
         return [piece for piece, t in zip(self.pieces, self.types, strict=True) if t == kind]
 
     def special_tokens(self) -> dict[str, str]:
-        """bos, eos, unk and pad as the file names them (transformers 5.17 swaps bos and eos)."""
+        """bos, eos, unk and pad as the file names them."""
         named = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self.unk_id}
         named["pad_token"] = self.pad_id
         return {
@@ -85,7 +87,7 @@ def read_gguf_vocabulary(gguf_file: Path) -> GgufVocabulary | None:
     pieces = value("tokens")
     if not pieces:
         return None
-    scores = value("scores")
+    scores, template = value("scores"), fields.get("tokenizer.chat_template")
     return GgufVocabulary(
         model=str(value("model", "")),
         pieces=list(pieces),
@@ -98,9 +100,7 @@ def read_gguf_vocabulary(gguf_file: Path) -> GgufVocabulary | None:
         pad_id=value("padding_token_id"),
         add_bos=bool(value("add_bos_token", True)),
         add_space_prefix=bool(value("add_space_prefix", True)),
-        chat_template=fields["tokenizer.chat_template"].contents()
-        if "tokenizer.chat_template" in fields
-        else None,
+        chat_template=None if template is None else template.contents(),
     )
 
 
@@ -209,9 +209,9 @@ def spm_tokenizer(vocab: GgufVocabulary):
 
 def disagreement(tokenizer, vocab: GgufVocabulary, text: str = PROBE) -> str | None:
     """Where `tokenizer` encodes `text` unlike llama.cpp (its first differing piece), or None."""
-    expected = ([vocab.bos_id] if vocab.add_bos and vocab.bos_id is not None else []) + spm_encode(
-        text, vocab
-    )
+    expected = spm_encode(text, vocab)
+    if vocab.add_bos and vocab.bos_id is not None:
+        expected.insert(0, vocab.bos_id)
     got = list(tokenizer(text).input_ids)
     if got == expected:
         return None

@@ -19,6 +19,7 @@ from flashdraft.model.gguf import (
     cache_directory,
     convert_gguf,
     find_gguf,
+    is_conversion_of,
     package_gguf,
     target_directory,
 )
@@ -111,6 +112,21 @@ def test_convert_needs_exactly_one_source(tmp_path, capsys):
 
 def test_plain_directory_target_is_left_alone(qwen3_target):
     assert target_directory(qwen3_target) == Path(qwen3_target)
+
+
+def test_a_conversion_by_an_older_rule_is_not_reused(tmp_path):
+    """Conversions written before the tokenizer was the file's own (transformers 5.17's cut Gemma 3's words
+    into characters) carry no `rule` in their marker: the cache converts again instead of reusing them."""
+    gguf = fake_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "m.hf"
+    cache.mkdir()
+    (cache / "config.json").write_text("{}")
+    stat = gguf.stat()
+    old = {"source": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": "fp32"}
+    (cache / MARKER_NAME).write_text(json.dumps(old))
+    assert not is_conversion_of(cache, gguf)
+    (cache / MARKER_NAME).write_text(json.dumps({**old, "rule": 2}))
+    assert is_conversion_of(cache, gguf) and not is_conversion_of(cache, gguf, dtype="bf16")
 
 
 def test_cache_lies_beside_a_writable_gguf(tmp_path):
