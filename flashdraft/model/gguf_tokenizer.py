@@ -16,6 +16,7 @@ tokens the file names (5.17 names SmolLM2's bos, `<|im_start|>`, as its eos too)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from flashdraft.errors import FlashdraftError
@@ -58,7 +59,9 @@ class GgufVocabulary:
         """Pieces with scores and no merge list: the tokenizer is rebuilt here (module docstring)."""
         return self.model == "llama" and not self.has_merges and self.scores is not None
 
+    @cached_property
     def ids(self) -> dict[str, int]:
+        """Each piece's id (built once: 262K entries for Gemma 3)."""
         return {piece: i for i, piece in enumerate(self.pieces)}
 
     def of_type(self, kind: int) -> list[str]:
@@ -110,7 +113,6 @@ def spm_encode(text: str, vocab: GgufVocabulary) -> list[int]:
     visible (and one put in front where the file adds a space prefix), is merged pair by pair, the
     best-scoring joined piece first (the leftmost on a tie); characters no piece holds are spelled in byte
     tokens."""
-    ids = vocab.ids()
     whole = sorted(vocab.of_type(USER_DEFINED), key=len, reverse=True)
     out: list[int] = []
     stretch, at = "", 0
@@ -119,13 +121,14 @@ def spm_encode(text: str, vocab: GgufVocabulary) -> list[int]:
         if match is None:
             stretch, at = stretch + text[at], at + 1
             continue
-        out += _merge_stretch(stretch, vocab, ids)
-        out.append(ids[match])
+        out += _merge_stretch(stretch, vocab)
+        out.append(vocab.ids[match])
         stretch, at = "", at + len(match)
-    return out + _merge_stretch(stretch, vocab, ids)
+    return out + _merge_stretch(stretch, vocab)
 
 
-def _merge_stretch(text: str, vocab: GgufVocabulary, ids: dict[str, int]) -> list[int]:
+def _merge_stretch(text: str, vocab: GgufVocabulary) -> list[int]:
+    ids = vocab.ids
     if not text:
         return []
     symbols = list((SPACE if vocab.add_space_prefix else "") + text.replace(" ", SPACE))
@@ -153,7 +156,7 @@ def spm_merges(vocab: GgufVocabulary) -> list[tuple[str, str]]:
     """The merge list of a BPE that joins pieces as llama.cpp does: every split of a normal piece into
     two pieces the vocabulary holds, ranked by the joined piece's score (best first); the splits of one
     piece follow each other, the better-scoring halves first."""
-    ids = vocab.ids()
+    ids = vocab.ids
     ranked = []
     for joined, piece in enumerate(vocab.pieces):
         if vocab.types[joined] != NORMAL or len(piece) < 2:
@@ -178,7 +181,7 @@ def spm_tokenizer(vocab: GgufVocabulary):
     specials = vocab.special_tokens()
     backend = Tokenizer(
         BPE(
-            vocab.ids(),
+            vocab.ids,
             spm_merges(vocab),
             unk_token=specials.get("unk_token"),
             fuse_unk=True,
@@ -202,7 +205,7 @@ def spm_tokenizer(vocab: GgufVocabulary):
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab.bos_id)]
         )
-    if "<mask>" in vocab.ids():
+    if "<mask>" in vocab.ids:
         specials["mask_token"] = "<mask>"
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
 

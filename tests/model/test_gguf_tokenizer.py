@@ -93,6 +93,14 @@ def test_the_built_bpe_encodes_as_the_merge_rule(add_space_prefix):
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.mask_token) == ("<bos>", "<eos>", "<mask>")
 
 
+def test_the_token_types_are_ggufs_own():
+    """The module names llama.cpp's token types itself (it is imported where `gguf` may be absent)."""
+    gguf = pytest.importorskip("gguf")
+    assert (NORMAL, CONTROL, USER_DEFINED, BYTE) == (
+        gguf.TokenType.NORMAL, gguf.TokenType.CONTROL, gguf.TokenType.USER_DEFINED, gguf.TokenType.BYTE
+    )  # fmt: skip
+
+
 def test_a_tokenizer_that_splits_into_characters_is_named():
     vocab = _trained_vocabulary(False, merges=0)  # no joined pieces: every character alone
     problem = disagreement(spm_tokenizer(vocab), _trained_vocabulary(False))
