@@ -35,7 +35,7 @@
 #   recipe-optim: issue 33's optimizer row, after real-setup: bench quality on the real target, AdamW against Muon
 #          at train.lr and at twice it (train.muon_lr), VARIANTS_PER_GPU (default 3) at once, MINUTES (default 2.5)
 #          each, EVAL_PROMPTS (default 8); the data prepared once (WORK reused by compare and later rows)
-#   recipe: after real-setup, one ROW (optim lr anchors depth block loss arch schedule data) of issue 33's recipe table, detached:
+#   recipe: after real-setup, one ROW (optim lr anchors depth block shape loss arch schedule data) of issue 33's recipe table, detached:
 #          bench quality variants side by side, MINUTES (default 5) each; then recipe-wait (repeat until complete).
 #          ROW=fp8 is issue 32's quality proof: bf16 (two seeds), fp8 and fp8 + FP8 head drafters trained the
 #          same STEPS (default 600) side by side, real τ and z-lab's τ of each (torchao from .whl)
@@ -257,6 +257,11 @@ case "$part" in
       anchors) v="anchors-128:train.num_anchors=128 anchors-256:train.num_anchors=256 anchors-512:train.num_anchors=512" ;;
       depth) v="layers-2:model.num_layers=2 layers-3:model.num_layers=3 layers-5:model.num_layers=5" ;;
       block) v="block-8:model.block_size=8 block-10:model.block_size=10 block-16:model.block_size=16" ;;
+      # anchors, depth and block in one call: the shared default once, each other value beside it
+      shape) v="default:model.num_layers=5,model.block_size=16,train.num_anchors=256
+                anchors-128:train.num_anchors=128 anchors-512:train.num_anchors=512
+                layers-2:model.num_layers=2 layers-3:model.num_layers=3
+                block-8:model.block_size=8 block-10:model.block_size=10" ;;
       loss) v="ce:train.loss=ce kl:train.loss=kl lk:train.loss=lk" ;;
       arch) v="dflash:model.arch=dflash dflash2:model.arch=dflash2" ;;
       schedule) v="cosine:train.lr_schedule=cosine wsd:train.lr_schedule=wsd,train.decay_ratio=0.2" ;;
@@ -270,7 +275,7 @@ case "$part" in
               fp8:train.precision=fp8,train.max_minutes=0,train.max_steps=${STEPS:-600}
               fp8-head:train.precision=fp8,train.fp8_head=true,train.max_minutes=0,train.max_steps=${STEPS:-600}"
            python3 -m pip install -q --no-index --no-deps --target /tmp/site ${WHL:-.whl}/torchao-*.whl || exit 1 ;;
-      *) echo "ROW: optim lr anchors depth block loss arch schedule data fp8"; exit 1 ;;
+      *) echo "ROW: optim lr anchors depth block shape loss arch schedule data fp8"; exit 1 ;;
     esac
     setsid nohup env PYTHONPATH=$PYTHONPATH:/tmp/site python3 -m flashdraft bench quality --target $REAL/smollm2 \
       --work $recipe_work --device cuda --prompts $recipe_prompts --eval-prompts ${EVAL_PROMPTS:-16} \
