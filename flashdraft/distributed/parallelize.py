@@ -381,13 +381,44 @@ def guard_compile(num_layers: int, *, owner: str = "drafter") -> None:
     warnings.filterwarnings("error", message=".*flex_attention called without torch.compile.*")
 
 
+def _run_context_projection(module: nn.Module, rows: Tensor) -> Tensor:
+    """The drafter's context projection (`fc`) on the target's concatenated features: a code object of its
+    own, so its graphs count apart from the norms'."""
+    return type(module).forward(module, rows)
+
+
+def _run_drafter_norm(module: nn.Module, rows: Tensor) -> Tensor:
+    """One of the drafter's RMSNorms outside its layers (the context's and the output's): both share its
+    graphs."""
+    return type(module).forward(module, rows)
+
+
+def _rows_dynamic(compiled: Callable, module: nn.Module, rows: Tensor) -> Tensor:
+    """`compiled(module, rows)` with the row count (dim 1: context length or block rows) dynamic from the
+    first compile, so a batch of another padded length compiles nothing."""
+    torch._dynamo.maybe_mark_dynamic(rows, 1)
+    return compiled(module, rows)
+
+
 def compile_drafter(drafter: DFlashDraftModel) -> None:
     """torch.compile each drafter layer (fullgraph), loud on any degradation, its context length dynamic
-    from the first compile, and the first layer's input asking for a gradient in training."""
+    from the first compile, and the first layer's input asking for a gradient in training.
+
+    The three modules around the layers are compiled too, their `forward` routed through a shared compiled
+    function as the target's layers are (so hooks and FSDP stay outside): the context projection `fc` and
+    the two norms. Eager, each was a chain of small kernels on the step's critical path: an RMSNorm in fp32
+    is six passes, and under train.precision=fp8 the projection's casts of its [H, n_feat*H] weight and of
+    its input, and the transposed copies its backward needs, were about ten eager passes (at shape (a) on
+    an H100, 6.5 ms of the 102 ms FP8 step ran in eager kernels: docs/fp8.md)."""
     guard_compile(len(drafter.layers))
     mark_context_dynamic()
     for layer in drafter.layers:
         layer.compile(fullgraph=True)
+    projection = torch.compile(_run_context_projection, fullgraph=True)
+    norm = torch.compile(_run_drafter_norm, fullgraph=True)
+    drafter.fc.forward = functools.partial(_rows_dynamic, projection, drafter.fc)
+    for module in (drafter.hidden_norm, drafter.norm):
+        module.forward = functools.partial(_rows_dynamic, norm, module)
     drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
 
 

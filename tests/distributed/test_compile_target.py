@@ -27,6 +27,7 @@ from flashdraft.model.tiny import save_tiny_target
 from flashdraft.train import build
 from flashdraft.train.trainer import train
 from tests.bench.test_quality import chain_samples, char_tokenizer, save_chain_target
+from tests.dynamo_graphs import compiled_graphs
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_cache", "own_compile_settings")
 
@@ -57,7 +58,7 @@ def test_the_target_compiles_only_on_a_gpu_and_never_a_hybrid(target_dirs):
 
 def _target_graphs() -> int:
     """The graphs compiled for the target's layers (the cache entries of their one compiled function)."""
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(parallelize._run_decoder_layer))
+    return compiled_graphs(parallelize._run_decoder_layer)
 
 
 def _features_eager_then_compiled(target: TargetModel, lengths: tuple[int, ...], graphs: int) -> None:

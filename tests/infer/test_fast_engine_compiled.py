@@ -20,6 +20,7 @@ from flashdraft.generate.speculative import generate
 from flashdraft.model import fused_decoder, fused_stack
 from flashdraft.model.drafter_dir import load_drafter
 from flashdraft.model.target import TargetModel
+from tests.dynamo_graphs import compiled_graphs
 from tests.infer.dflash2_drafter import dflash2_from
 
 NEW = 40
@@ -53,11 +54,6 @@ def prompts(trained) -> list[torch.Tensor]:
     ]
 
 
-def _graphs(function) -> int:
-    """How many graphs dynamo holds for `function` (its cache entries)."""
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__))
-
-
 def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_every_layer(pair, prompts):
     target, drafter = pair
     eager = [generate(target, drafter, p, NEW) for p in prompts]
@@ -71,22 +67,27 @@ def test_compiled_steps_decode_what_the_eager_loop_decodes_with_one_graph_for_ev
     assert [run.accepted for run in fast] == [run.accepted for run in eager]
     # four decoder layers and several attended widths (bucket 8), yet one graph: widths are dynamic
     assert len(target.layers) == 4 and len(engine.graphs) == 0 and engine.timing["steps"] > 20
-    assert _graphs(fused_decoder.fused_layer_step) == 1
-    assert _graphs(fused_stack.stack_prologue) == _graphs(fused_stack.stack_epilogue) == 1
+    assert compiled_graphs(fused_decoder.fused_layer_step) == 1
+    assert compiled_graphs(fused_stack.stack_prologue) == compiled_graphs(fused_stack.stack_epilogue) == 1
     # the layers' own forward, fused or not, is not compiled: the stack's check runs them eagerly
-    assert _graphs(parallelize._run_fused_decoding_layer) == _graphs(parallelize._run_decoding_layer) == 0
-    assert _graphs(parallelize._run_drafter) == 1
-    assert _graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
-    assert _graphs(fast_engine.greedy_acceptance) == _graphs(fast_engine.settle) == 1  # the step's tail
+    assert (
+        compiled_graphs(parallelize._run_fused_decoding_layer)
+        == compiled_graphs(parallelize._run_decoding_layer)
+        == 0
+    )
+    assert compiled_graphs(parallelize._run_drafter) == 1
+    assert compiled_graphs(parallelize._run_context_key_values) == 1  # one shape: [rows, block] every step
+    # the step's tail
+    assert compiled_graphs(fast_engine.greedy_acceptance) == compiled_graphs(fast_engine.settle) == 1
     # the step's own code around the model calls: one graph each, the drafter's inputs at every width
-    assert _graphs(fast_engine.draft_inputs) == _graphs(fast_engine.greedy_drafts) == 1
-    assert _graphs(fast_engine.write_context) == 1
+    assert compiled_graphs(fast_engine.draft_inputs) == compiled_graphs(fast_engine.greedy_drafts) == 1
+    assert compiled_graphs(fast_engine.write_context) == 1
 
     plain = FastEngine(target, None, NEW, compile=True, rows=2, bucket=8)
     runs = plain.generate(prompts)
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts]
-    assert _graphs(fused_decoder.fused_layer_step) == 2  # one query a row: a graph of its own
-    assert _graphs(fast_engine.settle) == 2
+    assert compiled_graphs(fused_decoder.fused_layer_step) == 2  # one query a row: a graph of its own
+    assert compiled_graphs(fast_engine.settle) == 2
 
 
 def test_a_dflash2_drafter_compiled_walks_its_candidates_in_one_graph_and_decodes_what_the_eager_loop_does(
@@ -103,7 +104,7 @@ def test_a_dflash2_drafter_compiled_walks_its_candidates_in_one_graph_and_decode
     assert engine.describe()["compiled"] and engine.timing["steps"] > 20
     assert [run.tokens for run in fast] == [run.tokens for run in eager]
     assert [run.accepted for run in fast] == [run.accepted for run in eager]
-    assert _graphs(fast_engine.candidate_walk) == 1
+    assert compiled_graphs(fast_engine.candidate_walk) == 1
 
 
 def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_forward_decodes(
@@ -122,7 +123,7 @@ def test_a_fused_step_that_differs_from_the_layer_is_refused_and_the_layers_own_
         "decoder layers on their own forward: its fused step differed from its own forward by"
     ), record
     assert [run.tokens for run in runs] == [generate(target, None, p, NEW).tokens for p in prompts[:3]]
-    assert _graphs(parallelize._run_decoding_layer) >= 1
+    assert compiled_graphs(parallelize._run_decoding_layer) >= 1
 
 
 def test_a_stack_that_differs_from_the_model_forward_is_refused_and_the_model_forward_decodes(
@@ -245,3 +246,22 @@ def test_a_block_of_16_decodes_through_the_checked_fused_stack(pair, prompts):
     eager = [generate(target, drafter, p, NEW, block_size=16) for p in prompts[:2]]
     assert [run.tokens for run in runs] == [run.tokens for run in eager]
     assert [run.accepted for run in runs] == [run.accepted for run in eager]
+
+
+def test_a_drafter_compiled_for_training_decodes_what_the_eager_drafter_does(trained, prompts):
+    """The trainer's real-τ evaluation decodes with the drafter it trains, whose layers, context projection
+    and norms `compile_drafter` compiled: through the eager loop, the fast engine on eager model code (the
+    trainer's) and the fast engine's own compiled steps, which then trace the compiled modules inside
+    theirs, it decodes the tokens the uncompiled drafter does."""
+    drafter = load_drafter(trained["drafter"])
+    target = TargetModel.load(trained["target"], drafter.spec.target_layer_ids)
+    want = [generate(target, drafter, p, NEW) for p in prompts[:3]]
+    parallelize.compile_drafter(drafter)
+    with torch.no_grad():
+        eager_loop = [generate(target, drafter, p, NEW) for p in prompts[:3]]
+    trainer_engine = FastEngine(target, drafter, NEW, compile=False, rows=1).generate(prompts[:3])
+    compiled_engine = FastEngine(target, drafter, NEW, compile=True, rows=2, bucket=8).generate(prompts[:3])
+    for runs in (eager_loop, trainer_engine, compiled_engine):
+        assert [run.tokens for run in runs] == [run.tokens for run in want]
+        assert [run.accepted for run in runs] == [run.accepted for run in want]
+    assert compiled_graphs(parallelize._run_context_projection) >= 1  # the compiled modules did run
