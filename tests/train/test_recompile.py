@@ -162,9 +162,7 @@ def test_the_trainer_warns_where_each_layer_compiles_its_own_graph(qwen3_target,
     assert sum(g.code == compile_report.code_of(DrafterLayer.forward) for g in graphs) == (
         3 if per_layer_value else 1
     )
-    warning = compile_report.repeated_layer_graphs(
-        graphs, type(layers[0]).forward, len(layers), kinds=1
-    )
+    warning = compile_report.repeated_layer_graphs(graphs, type(layers[0]).forward, len(layers), kinds=1)
     if per_layer_value:
         assert warning is not None and "3 layers compiled 3 graphs of DrafterLayer.forward" in warning
     else:
