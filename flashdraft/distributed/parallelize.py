@@ -393,9 +393,14 @@ def _run_drafter_norm(module: nn.Module, rows: Tensor) -> Tensor:
     return type(module).forward(module, rows)
 
 
-def _rows_dynamic(compiled: Callable, module: nn.Module, rows: Tensor) -> Tensor:
-    """`compiled(module, rows)` with the row count (dim 1: context length or block rows) dynamic from the
-    first compile, so a batch of another padded length compiles nothing."""
+def _compiled_in_training(compiled: Callable, module: nn.Module, rows: Tensor) -> Tensor:
+    """`compiled(module, rows)` where a gradient is wanted (the training step), its row count (dim 1:
+    context length or block rows) dynamic from the first compile, so a batch of another padded length
+    compiles nothing. Without one (evaluation, decoding) the module's own forward, as before: decoding
+    calls come inside CUDA-graph captures and the fast engine's own compiled steps, where a compile of its
+    own has no place."""
+    if not torch.is_grad_enabled():
+        return type(module).forward(module, rows)
     torch._dynamo.maybe_mark_dynamic(rows, 1)
     return compiled(module, rows)
 
@@ -404,9 +409,9 @@ def compile_drafter(drafter: DFlashDraftModel) -> None:
     """torch.compile each drafter layer (fullgraph), loud on any degradation, its context length dynamic
     from the first compile, and the first layer's input asking for a gradient in training.
 
-    The three modules around the layers are compiled too, their `forward` routed through a shared compiled
-    function as the target's layers are (so hooks and FSDP stay outside): the context projection `fc` and
-    the two norms. Eager, each was a chain of small kernels on the step's critical path: an RMSNorm in fp32
+    The three modules around the layers are compiled too, for the training step, their `forward` routed
+    through a shared compiled function as the target's layers are (so hooks and FSDP stay outside): the
+    context projection `fc` and the two norms. Eager, each was a chain of small kernels on the step's critical path: an RMSNorm in fp32
     is six passes, and under train.precision=fp8 the projection's casts of its [H, n_feat*H] weight and of
     its input, and the transposed copies its backward needs, were about ten eager passes (at shape (a) on
     an H100, 6.5 ms of the 102 ms FP8 step ran in eager kernels: docs/fp8.md)."""
@@ -416,9 +421,9 @@ def compile_drafter(drafter: DFlashDraftModel) -> None:
         layer.compile(fullgraph=True)
     projection = torch.compile(_run_context_projection, fullgraph=True)
     norm = torch.compile(_run_drafter_norm, fullgraph=True)
-    drafter.fc.forward = functools.partial(_rows_dynamic, projection, drafter.fc)
+    drafter.fc.forward = functools.partial(_compiled_in_training, projection, drafter.fc)
     for module in (drafter.hidden_norm, drafter.norm):
-        module.forward = functools.partial(_rows_dynamic, norm, module)
+        module.forward = functools.partial(_compiled_in_training, norm, module)
     drafter.register_forward_pre_hook(block_input_needs_grad, with_kwargs=True)
 
 
