@@ -411,10 +411,10 @@ def compile_drafter(drafter: DFlashDraftModel) -> None:
 
     The three modules around the layers are compiled too, for the training step, their `forward` routed
     through a shared compiled function as the target's layers are (so hooks and FSDP stay outside): the
-    context projection `fc` and the two norms. Eager, each was a chain of small kernels on the step's critical path: an RMSNorm in fp32
-    is six passes, and under train.precision=fp8 the projection's casts of its [H, n_feat*H] weight and of
-    its input, and the transposed copies its backward needs, were about ten eager passes (at shape (a) on
-    an H100, 6.5 ms of the 102 ms FP8 step ran in eager kernels: docs/fp8.md)."""
+    context projection `fc` and the two norms. Eager, each was a chain of small kernels: an RMSNorm in
+    fp32 is six passes, and under train.precision=fp8 the projection's casts of its [H, n_feat*H] weight
+    and of its input, and the transposed copies its backward needs, were about ten (at shape (a) on an
+    H100, 6.5 ms of the 102 ms FP8 step ran in eager kernels: docs/fp8.md)."""
     guard_compile(len(drafter.layers))
     mark_context_dynamic()
     for layer in drafter.layers:
