@@ -4,7 +4,9 @@ and its backward compile seconds (docs/shards.md, "The first step").
 A user whose first step takes 40 s sees which code paid for it (the drafter layer, the loss) instead of
 one number. The records are dynamo's own
 (`torch._dynamo.utils.get_compilation_metrics`): one per compiled frame, and one per lazily compiled
-backward, which carries its forward's compile id but no name.
+backward, which carries its forward's compile id but no name. A graph with dynamic sizes (the drafter's
+layers, their context length dynamic) has no backward record: AOT autograd compiles its backward with
+its forward, inside the frame's record, so its `forward_s` holds both.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class CompiledGraph:
     name: str  # the compiled function's code name
     compile_id: str  # dynamo's "frame/recompile" id
     forward_s: float  # the frame's whole compile: tracing, AOT autograd, inductor's forward
-    backward_s: float  # inductor's compile of the backward, at the first backward
+    backward_s: float  # inductor's compile of the backward, at the first backward (0: with the forward)
     kernels_s: float  # of both: Triton's kernel builds
     phases: dict[str, float] = field(default_factory=dict)  # "forward.<PHASES entry>" and "backward.…", s
     code: str = ""  # the compiled function's "file:first line" (`code_of`): two functions of one name apart

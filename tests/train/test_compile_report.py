@@ -68,3 +68,20 @@ def test_the_compile_record_goes_to_metrics_jsonl_and_not_to_the_console(tmp_pat
     assert record["step"] == 1 and record["graphs"][0]["phases"] == {"forward.gc_time": 0.1}
     assert [r["kind"] for r in read_metrics(tmp_path / "metrics.jsonl")] == ["compile", "train"]
     assert "compile" not in capsys.readouterr().out
+
+
+def test_a_graph_with_dynamic_sizes_compiles_its_backward_with_its_forward():
+    """What the report shows for the drafter's layers (their context length is dynamic): no backward record;
+    the backward was compiled with the forward, before it ran, and the frame's seconds hold both."""
+    before = compile_report.now()
+    torch._dynamo.reset()
+    compiled = torch.compile(_square_sum, backend="inductor", dynamic=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out = compiled(torch.randn(8, 16), w)
+        (graph,) = compile_report.graphs_compiled_since(before)
+        assert graph.forward_s > 0 and graph.backward_s == 0
+        out.backward()  # compiles nothing more
+    (after,) = compile_report.graphs_compiled_since(before)
+    assert after.backward_s == 0 and after.forward_s == graph.forward_s
+    assert w.grad is not None
